@@ -1,0 +1,55 @@
+# Curvature Lab — build, test and run the book.
+#   make book   install what is missing, build the whole book (profile: $CURVLAB_PROFILE, default standard)
+#   make test   install what is missing, run the unit tests, build the whole book in the quick profile, strictly
+#   make lab    open the notebooks in JupyterLab
+# Everything is installed into ./.venv, a virtual environment that sees the system's site-packages, so a torch
+# that is already installed (a CUDA build, say) is used as it is and never replaced.
+
+PYTHON_SYS ?= python3
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+PROFILE    ?= $(or $(CURVLAB_PROFILE),standard)
+JOBS       ?= 2
+STAMP      := $(VENV)/.curvlab-installed
+TORCH_PIN  ?= torch==2.13.0
+
+.PHONY: env book book-quick test unit built-tests lab bench clean clean-cache strip
+
+env: $(STAMP)
+
+$(STAMP): lib/pyproject.toml tools/setup_env.py
+	@test -x $(PY) || $(PYTHON_SYS) -m venv --system-site-packages $(VENV)
+	$(PY) tools/setup_env.py --torch-pin "$(TORCH_PIN)"
+	@touch $(STAMP)
+
+book: env
+	CURVLAB_PROFILE=$(PROFILE) $(PY) tools/build_book.py --jobs $(JOBS)
+
+book-quick: env
+	CURVLAB_PROFILE=quick $(PY) tools/build_book.py --jobs $(JOBS) --strict --force
+
+unit: env
+	$(PY) -m pytest tests -m "not built" -q
+
+built-tests: env
+	$(PY) -m pytest tests -m built -q
+
+test: env
+	$(MAKE) unit
+	$(MAKE) book-quick
+	$(MAKE) built-tests
+
+lab: env
+	$(PY) -m jupyter lab notebooks/
+
+bench: env
+	$(PY) benchmarks/run_all.py
+
+strip: env
+	$(PY) tools/nbtool.py normalize notebooks/*.ipynb
+
+clean:
+	rm -rf _build
+
+clean-cache:
+	rm -rf _build/.jupyter_cache _build/ledger .curvlab_cache

@@ -1,0 +1,83 @@
+"""curvlab — the companion library of *Curvature Lab*.
+
+One module per subject the book teaches, plus shared tools:
+
+``config``      profiles (``CURVLAB_PROFILE``), device, dtype, seeds
+``checks``      derived predictions (asserted, computed tolerances) and paper claims (ledgered)
+``curvature``   Jacobians, Gauss–Newton matrices and products, condition numbers, damped GN steps
+``linalg``      row-major vec/Kronecker conventions, PSD roots, principal angles
+``plotting``    the method registry, theme, figures with alt text and captions
+``sweep``       cached, code-aware parameter sweeps into tidy frames
+``progress``    progress bars that stay out of the static book
+
+Call :func:`setup` once at the top of a notebook.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress")
+__all__ = ["setup", "__version__", *_SUBMODULES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'curvlab' has no attribute {name!r}")
+
+
+def setup(chapter: str, *, seed: int = 0, deterministic: bool = True, context: str = "notebook", quiet: bool = False):
+    """Prepare a chapter: profile, device, dtype, seed, determinism, plotting theme, check registry.
+
+    Prints one line — profile, device, dtype, seed, versions, git revision — and, in a notebook, shows the
+    profile badge. Returns the :class:`curvlab.config.RunInfo`.
+    """
+    import torch
+
+    from . import checks, config, plotting
+
+    if not isinstance(chapter, str) or not chapter.strip():
+        raise ValueError("chapter must be a non-empty string naming the notebook (e.g. '00_how_to_read')")
+    prof = config.profile()
+    dev = config.device()
+    config.seed_everything(seed)
+    config.set_deterministic(deterministic)
+    plotting.set_theme(context)
+    plotting.reset_figure_counter()
+    checks.set_chapter(chapter)
+    info = config.RunInfo(
+        chapter=chapter,
+        profile=prof,
+        device=dev,
+        dtype=torch.get_default_dtype(),
+        seed=seed,
+        torch_version=torch.__version__,
+        curvlab_version=__version__,
+        revision=config.git_revision(),
+    )
+    if not quiet:
+        print(info.line())
+        _show_badge(info)
+    return info
+
+
+def _show_badge(info: Any) -> None:
+    try:
+        from IPython import get_ipython
+        from IPython.display import HTML, display
+    except ImportError:  # pragma: no cover
+        return
+    if get_ipython() is None:
+        return
+    colour = {"quick": "#D55E00", "standard": "#0072B2", "paper": "#009E73"}[info.profile]
+    display(
+        HTML(
+            f'<span class="curvlab-profile-badge" style="background:{colour};color:white;padding:2px 8px;'
+            f'border-radius:4px;font-size:0.85em">profile: {info.profile}</span> '
+            f'<span class="curvlab-device-badge" style="font-size:0.85em">device: {info.device}</span>'
+        )
+    )

@@ -1,0 +1,157 @@
+"""Argument validation at the public boundary of :mod:`curvlab`.
+
+Every public function calls these helpers before doing any arithmetic, so that bad input fails with a
+:class:`TypeError` or :class:`ValueError` that *names the argument* and says what was expected, instead of
+a NaN result or a stack trace from deep inside torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "as_tensor",
+    "check_finite",
+    "check_matrix",
+    "check_psd",
+    "check_positive",
+    "check_nonnegative",
+    "check_int",
+    "check_choice",
+    "check_shape",
+]
+
+
+def as_tensor(name: str, value: Any, *, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """Convert ``value`` to a tensor, raising :class:`TypeError` naming ``name`` if that is impossible."""
+    if isinstance(value, torch.Tensor):
+        t = value
+    else:
+        try:
+            t = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"{name} must be a tensor or array-like of numbers, got {type(value).__name__}") from exc
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} must be a real tensor, got dtype {t.dtype}")
+    if dtype is not None or device is not None:
+        t = t.to(dtype=dtype or (t.dtype if t.is_floating_point() else torch.get_default_dtype()), device=device)
+    elif not t.is_floating_point():
+        t = t.to(torch.get_default_dtype())
+    return t
+
+
+def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Raise :class:`ValueError` if ``t`` holds a NaN or an infinity."""
+    if not bool(torch.isfinite(t).all()):
+        n_bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{name} contains {n_bad} non-finite value(s) (NaN or inf)")
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None]) -> torch.Tensor:
+    """Check ``t.shape`` against ``shape``, where ``None`` matches any size."""
+    if t.dim() != len(shape) or any(s is not None and s != ts for s, ts in zip(shape, t.shape)):
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    return t
+
+
+def check_matrix(name: str, value: Any, *, square: bool = False, batch: bool = False, **kw) -> torch.Tensor:
+    """A finite real matrix (or a batch of matrices when ``batch``), optionally square."""
+    t = check_finite(name, as_tensor(name, value, **kw))
+    if batch:
+        if t.dim() < 2:
+            raise ValueError(f"{name} must be a (batch of) matrix with at least 2 dimensions, got shape {tuple(t.shape)}")
+    elif t.dim() != 2:
+        raise ValueError(f"{name} must be a matrix (2 dimensions), got shape {tuple(t.shape)}")
+    if t.shape[-1] == 0 or t.shape[-2] == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+    if square and t.shape[-1] != t.shape[-2]:
+        raise ValueError(f"{name} must be square, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_psd(name: str, value: Any, *, strict: bool = False, rtol: float | None = None, **kw) -> torch.Tensor:
+    """A symmetric positive semi-definite matrix (positive definite when ``strict``).
+
+    Symmetry and definiteness are judged relative to the matrix's own scale, with a tolerance of a few
+    hundred machine epsilons of its dtype unless ``rtol`` is given.
+    """
+    t = check_matrix(name, value, square=True, batch=True, **kw)
+    eps = torch.finfo(t.dtype).eps
+    tol = (rtol if rtol is not None else 100 * t.shape[-1] * eps)
+    scale = t.abs().amax(dim=(-2, -1)).clamp_min(torch.finfo(t.dtype).tiny)
+    asym = (t - t.transpose(-2, -1)).abs().amax(dim=(-2, -1))
+    if bool((asym > tol * scale).any()):
+        raise ValueError(f"{name} must be symmetric; max |A - A^T| = {float(asym.max()):.3g}")
+    ev = torch.linalg.eigvalsh(0.5 * (t + t.transpose(-2, -1)))
+    lo = ev[..., 0]
+    if bool((lo < -tol * scale).any()):
+        raise ValueError(f"{name} must be positive semi-definite; its smallest eigenvalue is {float(lo.min()):.3g}")
+    if strict and bool((lo <= tol * scale).any()):
+        raise ValueError(f"{name} must be positive definite; its smallest eigenvalue is {float(lo.min()):.3g}")
+    return t
+
+
+def _check_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not (
+        isinstance(value, torch.Tensor) and value.numel() == 1
+    ):
+        try:
+            import numpy as np
+
+            if isinstance(value, np.generic) and np.isrealobj(value):
+                return float(value)
+        except ImportError:  # pragma: no cover
+            pass
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def check_positive(name: str, value: Any) -> float:
+    """A finite number ``> 0``."""
+    v = _check_number(name, value)
+    if v <= 0:
+        raise ValueError(f"{name} must be > 0, got {v}")
+    return v
+
+
+def check_nonnegative(name: str, value: Any) -> float:
+    """A finite number ``>= 0``."""
+    v = _check_number(name, value)
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v
+
+
+def check_int(name: str, value: Any, *, min_value: int | None = None) -> int:
+    """An integer (not a bool), optionally ``>= min_value``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np
+
+            if isinstance(value, np.integer):
+                value = int(value)
+            else:
+                raise TypeError
+        except TypeError:
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if min_value is not None and value < min_value:
+        raise ValueError(f"{name} must be >= {min_value}, got {value}")
+    return int(value)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """One of a fixed set of strings."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, one of {list(choices)}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
