@@ -1,0 +1,362 @@
+"""Tests of :mod:`curvlab.sweep` (grids, tidy frames, the code-keyed cache, parallelism) and :mod:`curvlab.progress`."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+
+import joblib
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import curvlab.sweep as sw
+from curvlab.progress import progress
+from curvlab.sweep import CellError, cache_info, clear_cache, grid, sweep
+
+CALLS: list = []  # cells computed in this process (n_jobs=1 runs in-process)
+FAIL_ON: set = set()  # configurations of `flaky` that raise
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    CALLS.clear()
+    FAIL_ON.clear()
+    monkeypatch.delenv("CURVLAB_BOOK_BUILD", raising=False)
+    monkeypatch.delenv("CURVLAB_PROGRESS", raising=False)
+
+
+def run(fn, configs, cache_dir, **kw):
+    return sweep(fn, configs, cache_dir=cache_dir, progress=False, **kw)
+
+
+def n_computed(frame: pd.DataFrame) -> int:
+    """Configurations computed (not read from the cache) in a frame with one row per configuration."""
+    return int((~frame["_cached"]).sum())
+
+
+# ------------------------------------------------------------------------- experiment functions
+
+
+def one_row(a, b=0):
+    CALLS.append((a, b))
+    return {"y": a + b, "z": torch.tensor(0.5) * a, "device": "cpu"}
+
+
+def several_rows(a, b=0):
+    CALLS.append((a, b))
+    return [{"step": t, "loss": (a + b) / (t + 1)} for t in range(3)]
+
+
+def frame_rows(a, b=0):
+    CALLS.append((a, b))
+    return pd.DataFrame({"step": [0, 1], "loss": [float(a), float(b)]})
+
+
+def flaky(a):
+    CALLS.append(a)
+    if a in FAIL_ON:
+        raise RuntimeError("boom")
+    return {"y": 2 * a}
+
+
+def thread_name(a):
+    return {"thread": threading.current_thread().name}
+
+
+# ---------------------------------------------------------------------------------------- grid
+
+
+def test_grid_order_is_nested_loops():
+    assert grid(a=[1, 2], b=["x", "y"]) == [
+        {"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y"},
+    ]
+    methods = [{"method": "gd", "lr": 0.1}, {"method": "kfac", "lr": 1.0}]
+    assert grid(methods, seed=range(2)) == [
+        {"method": "gd", "lr": 0.1, "seed": 0}, {"method": "gd", "lr": 0.1, "seed": 1},
+        {"method": "kfac", "lr": 1.0, "seed": 0}, {"method": "kfac", "lr": 1.0, "seed": 1},
+    ]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(), min_size=1, max_size=3, unique=True), min_size=1, max_size=3))
+def test_grid_is_the_cartesian_product(axes):
+    kwargs = {f"k{i}": values for i, values in enumerate(axes)}
+    configs = grid(**kwargs)
+    assert len(configs) == int(np.prod([len(v) for v in axes]))
+    assert len({tuple(c.items()) for c in configs}) == len(configs)
+    last = list(kwargs)[-1]
+    assert [c[last] for c in configs[: len(axes[-1])]] == axes[-1]  # last axis varies fastest
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "needle"),
+    [
+        ((), {}, ValueError, "axis"),
+        ((), {"a": 3}, TypeError, "a must be a list"),
+        ((), {"a": "xy"}, TypeError, "a must be a list"),
+        ((), {"a": []}, ValueError, "a must hold"),
+        (([1],), {}, TypeError, "blocks[0][0]"),
+        (([{"a": 1}],), {"a": [2]}, ValueError, "'a'"),
+    ],
+)
+def test_grid_errors(args, kwargs, error, needle):
+    with pytest.raises(error) as info:
+        grid(*args, **kwargs)
+    assert needle in str(info.value)
+
+
+# --------------------------------------------------------------------------------- tidy frames
+
+
+def test_tidy_frame_from_dicts(tmp_path):
+    frame = run(one_row, grid(a=[1, 2], b=[10]), tmp_path)
+    assert list(frame.columns) == ["a", "b", "y", "z", "device", "_cached", "_wall_s"]
+    assert frame[["a", "b", "y", "z"]].values.tolist() == [[1, 10, 11, 0.5], [2, 10, 12, 1.0]]
+    assert isinstance(frame.loc[0, "z"], float)  # 0-d tensors become numbers
+    assert frame["_cached"].dtype == bool and (frame["_wall_s"] >= 0).all()
+
+
+def test_tidy_frame_from_lists_of_dicts(tmp_path):
+    frame = run(several_rows, grid(a=[1, 2], b=[0]), tmp_path)
+    assert len(frame) == 6
+    assert frame["a"].tolist() == [1, 1, 1, 2, 2, 2] and frame["step"].tolist() == [0, 1, 2] * 2
+    assert frame.loc[5, "loss"] == pytest.approx(2 / 3)
+
+
+def test_tidy_frame_from_dataframes(tmp_path):
+    frame = run(frame_rows, grid(a=[1, 2], b=[7]), tmp_path)
+    assert list(frame.columns[:4]) == ["a", "b", "step", "loss"]
+    assert frame["loss"].tolist() == [1.0, 7.0, 2.0, 7.0]
+    assert frame.index.tolist() == [0, 1, 2, 3]
+
+
+def test_tuple_values_stay_whole_and_configs_may_differ(tmp_path):
+    configs = [{"a": 1, "shape": (2, 3)}, {"a": 2}]
+    frame = run(lambda a, shape=None: {"y": a}, configs, tmp_path, name="tuples")
+    assert frame.loc[0, "shape"] == (2, 3) and pd.isna(frame.loc[1, "shape"])
+
+
+# ------------------------------------------------------------------------------------- caching
+
+
+def test_second_call_computes_nothing(tmp_path):
+    first = run(one_row, grid(a=[1, 2, 3]), tmp_path)
+    assert len(CALLS) == 3 and n_computed(first) == 3
+    second = run(one_row, grid(a=[1, 2, 3]), tmp_path)
+    assert len(CALLS) == 3 and second["_cached"].all()
+    pd.testing.assert_frame_equal(first.drop(columns="_cached"), second.drop(columns="_cached"))
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_extended_grid_computes_only_new_cells(tmp_path):
+    run(several_rows, grid(a=[1, 2], b=[0]), tmp_path)
+    CALLS.clear()
+    frame = run(several_rows, grid(a=[1, 2, 3], b=[0, 1]), tmp_path)
+    assert sorted(CALLS) == [(1, 1), (2, 1), (3, 0), (3, 1)]
+    assert frame.groupby(["a", "b"])["_cached"].first().sum() == 2
+
+
+def test_failing_cell_names_config_and_keeps_finished_cells(tmp_path):
+    FAIL_ON.add(2)
+    with pytest.raises(CellError, match=r"configs\[2\] = \{'a': 2\}.*boom") as info:
+        run(flaky, grid(a=[0, 1, 2, 3]), tmp_path)
+    assert info.value.config == {"a": 2}
+    FAIL_ON.clear()
+    CALLS.clear()
+    frame = run(flaky, grid(a=[0, 1, 2, 3]), tmp_path)
+    assert sorted(CALLS) == [2, 3] and frame["_cached"].tolist() == [True, True, False, False]
+
+
+def test_key_ignores_dict_order_and_numpy_scalars(tmp_path):
+    run(one_row, [{"a": 1, "b": 2}], tmp_path)
+    frame = run(one_row, [{"b": np.int64(2), "a": np.int64(1)}], tmp_path)
+    assert len(CALLS) == 1 and frame["_cached"].all()
+    run(one_row, [{"a": 1.0, "b": 2}], tmp_path)  # a float is another configuration than an int
+    assert len(CALLS) == 2
+
+
+def test_corrupt_cell_is_recomputed(tmp_path):
+    run(one_row, grid(a=[1]), tmp_path)
+    (cell,) = tmp_path.rglob("*.pkl")
+    cell.write_bytes(b"not a pickle")
+    frame = run(one_row, grid(a=[1]), tmp_path)
+    assert n_computed(frame) == 1 and frame.loc[0, "y"] == 1
+
+
+MODULE_V1 = """
+def helper(a):
+    return a
+
+def experiment(a):
+    CALLS.append(a)
+    return {"y": helper(a)}
+
+CALLS = []
+"""
+
+
+def _load_module(path, name, monkeypatch):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_changed_function_source_invalidates(tmp_path, monkeypatch):
+    source = tmp_path / "sweep_tmp_mod.py"
+    source.write_text(MODULE_V1)
+    cache = tmp_path / "cache"
+    v1 = _load_module(source, "sweep_tmp_mod", monkeypatch)
+    assert run(v1.experiment, grid(a=[1, 2]), cache)["y"].tolist() == [1, 2]
+    assert n_computed(run(v1.experiment, grid(a=[1, 2]), cache)) == 0
+
+    source.write_text(MODULE_V1.replace('{"y": helper(a)}', '{"y": 10 * helper(a)}'))
+    v2 = _load_module(source, "sweep_tmp_mod", monkeypatch)
+    frame = run(v2.experiment, grid(a=[1, 2]), cache)
+    assert v2.CALLS == [1, 2] and frame["y"].tolist() == [10, 20]
+
+    # same function source, changed helper in its module: also invalidates
+    source.write_text(MODULE_V1.replace('{"y": helper(a)}', '{"y": 10 * helper(a)}').replace("return a", "return -a"))
+    v3 = _load_module(source, "sweep_tmp_mod", monkeypatch)
+    assert run(v3.experiment, grid(a=[1, 2]), cache)["y"].tolist() == [-10, -20]
+    assert len(list((cache / "sweep_tmp_mod.experiment").glob("*.pkl"))) == 6  # old cells stay until cleared
+
+
+def test_changed_curvlab_source_invalidates(tmp_path, monkeypatch):
+    run(one_row, grid(a=[1, 2]), tmp_path)
+    monkeypatch.setattr(sw, "_package_hash", lambda: "curvlab source changed")
+    assert n_computed(run(one_row, grid(a=[1, 2]), tmp_path)) == 2
+    assert n_computed(run(one_row, grid(a=[1, 2]), tmp_path)) == 0
+
+
+def test_code_version_and_sourceless_functions(tmp_path):
+    namespace: dict = {}
+    exec("def g(a):\n    return {'y': a}\n", namespace)  # no source file: inspect.getsource fails
+    g = namespace["g"]
+    with pytest.raises(ValueError, match="name=.*code_version="):
+        run(g, grid(a=[1]), tmp_path)
+    assert n_computed(run(g, grid(a=[1]), tmp_path, name="g", code_version="1")) == 1
+    assert n_computed(run(g, grid(a=[1]), tmp_path, name="g", code_version="1")) == 0
+    assert n_computed(run(g, grid(a=[1]), tmp_path, name="g", code_version="2")) == 1
+    assert run(g, grid(a=[1]), False)["y"].tolist() == [1]  # no cache, no hash needed
+
+
+def test_default_cache_dir_provenance_and_clearing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CURVLAB_CACHE_DIR", str(tmp_path))
+    run(one_row, grid(a=[1, 2]), None, code_version="v7")
+    info = cache_info(tmp_path)
+    name = f"{one_row.__module__}.one_row"
+    assert len(info) == 2 and set(info["name"]) == {name}
+    assert info["device"].eq("cpu").all() and info["code_version"].eq("v7").all()
+    assert info["revision"].map(type).eq(str).all() and (info["wall_s"] >= 0).all()
+    assert info["code_hash"].nunique() == 1 and set(info["config"]) == {'{"a": 1}', '{"a": 2}'}
+    assert clear_cache(tmp_path, name=name) == 2 and len(cache_info(tmp_path)) == 0
+
+
+def test_default_cache_dir_is_at_the_checkout_root(tmp_path, monkeypatch):
+    monkeypatch.delenv("CURVLAB_CACHE_DIR", raising=False)
+    (tmp_path / "repo" / ".git").mkdir(parents=True)
+    (tmp_path / "repo" / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "repo" / "notebooks")
+    assert sw.default_cache_dir() == tmp_path / "repo" / ".curvlab_cache"
+
+
+def test_cache_disabled_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CURVLAB_CACHE_DIR", str(tmp_path))
+    run(one_row, grid(a=[1]), False)
+    run(one_row, grid(a=[1]), False)
+    assert len(CALLS) == 2 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("value", [{1, 2}, object(), {"x": 1}, [1, object()], 1j, np.zeros(2)])
+def test_unsupported_config_values_name_the_key(tmp_path, value):
+    with pytest.raises(TypeError, match=r"configs\[1\]\['bad'\]"):
+        run(one_row, [{"a": 1}, {"a": 2, "bad": value}], tmp_path)
+    assert not CALLS
+
+
+# ------------------------------------------------------------------------------------ parallel
+
+
+def test_loky_matches_sequential(tmp_path):
+    configs = grid(a=[1, 2, 3, 4], b=[0, 5])
+    sequential = run(several_rows, configs, False, backend="sequential")
+    parallel = run(several_rows, configs, tmp_path, n_jobs=2, backend="loky")
+    pd.testing.assert_frame_equal(sequential.drop(columns="_wall_s"), parallel.drop(columns="_wall_s"))
+    cached = run(several_rows, configs, tmp_path)  # the workers wrote every cell
+    assert cached["_cached"].all()
+
+
+def test_backend_none_follows_joblib_context():
+    with joblib.parallel_config(backend="threading"):
+        frame = run(thread_name, grid(a=[1, 2, 3]), False, n_jobs=2)
+    assert "MainThread" not in set(frame["thread"])
+
+
+# ------------------------------------------------------------------------------------ progress
+
+
+def test_progress_is_plain_in_book_builds(monkeypatch, capsys):
+    items = range(3)
+    bar = progress(items, desc="x")
+    assert bar is not items and list(bar) == [0, 1, 2]
+    monkeypatch.setenv("CURVLAB_PROGRESS", "0")
+    assert progress(items) is items
+    monkeypatch.delenv("CURVLAB_PROGRESS")
+    monkeypatch.setenv("CURVLAB_BOOK_BUILD", "1")
+    assert progress(items, total=3) is items
+    capsys.readouterr()
+    sweep(one_row, grid(a=[1, 2]), cache_dir=False)
+    assert capsys.readouterr().err == ""  # no bar printed during a book build
+
+
+# ---------------------------------------------------------------------------------- bad inputs
+
+
+@pytest.mark.parametrize(
+    ("fn", "configs", "kwargs", "error", "needle"),
+    [
+        (3, [{"a": 1}], {}, TypeError, "fn"),
+        (one_row, [], {}, ValueError, "configs"),
+        (one_row, {"a": 1}, {}, TypeError, "configs"),
+        (one_row, [1], {}, TypeError, "configs[0]"),
+        (one_row, [{1: 2}], {}, TypeError, "configs[0]"),
+        (one_row, [{"a": 1}, {"a": 1}], {}, ValueError, "configs[1] repeats configs[0]"),
+        (one_row, [{"a": 1}], {"n_jobs": 0}, ValueError, "n_jobs"),
+        (one_row, [{"a": 1}], {"n_jobs": 1.5}, TypeError, "n_jobs"),
+        (one_row, [{"a": 1}], {"backend": "nope"}, ValueError, "backend"),
+        (one_row, [{"a": 1}], {"backend": 3}, TypeError, "backend"),
+        (one_row, [{"a": 1}], {"progress": "yes"}, TypeError, "progress"),
+        (one_row, [{"a": 1}], {"name": "a/b"}, ValueError, "name"),
+        (one_row, [{"a": 1}], {"code_version": 1}, TypeError, "code_version"),
+        (one_row, [{"a": 1}], {"cache_dir": 3}, TypeError, "cache_dir"),
+    ],
+)
+def test_bad_inputs_name_the_argument(tmp_path, fn, configs, kwargs, error, needle):
+    kwargs = {"cache_dir": tmp_path, "progress": False, **kwargs}
+    with pytest.raises(error) as info:
+        sweep(fn, configs, **kwargs)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("result", "error", "needle"),
+    [
+        (3, TypeError, "fn returned a int for configs[0] = {'a': 1}"),
+        ({"y": [1, 2]}, TypeError, "column 'y'"),
+        ([{"y": 1}, 2], TypeError, "configs[0]"),
+        ({"a": 1.0}, ValueError, "['a']"),
+        ({"_cached": 1.0}, ValueError, "['_cached']"),
+    ],
+)
+def test_bad_results_name_the_config_and_are_not_cached(tmp_path, result, error, needle):
+    with pytest.raises(error) as info:
+        run(lambda a: result, [{"a": 1}], tmp_path, name="bad")
+    assert needle in str(info.value)
+    assert not list(tmp_path.rglob("*.pkl"))
