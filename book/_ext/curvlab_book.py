@@ -1,0 +1,378 @@
+"""Sphinx extension for Curvature Lab: the things a strict, offline, reproducible build needs.
+
+* **Execution cache keyed on the library.** myst-nb's cache keys a notebook on its own code only, so a change to
+  ``lib/`` would serve stale outputs. The cache directory is ``_build/.jupyter_cache/<profile>-<key>``, where
+  ``key`` hashes the library's source, ``lib/pyproject.toml`` and the profile: any library change re-executes.
+* **The environment of executed notebooks.** ``CURVLAB_BOOK_BUILD=1`` (progress bars off, static fallbacks for
+  widgets), ``CURVLAB_PROFILE`` and ``CURVLAB_LEDGER_DIR`` (where :mod:`curvlab.checks` writes each chapter's
+  records) are set before any kernel starts.
+* **Reproduction ledger and execution status.** The ``curvlab-ledger`` and ``curvlab-status`` directives leave a
+  placeholder that is filled after every notebook has run (a post-transform at write time), from the chapters'
+  check records and myst-nb's execution data.
+* **Budget.** In the ``quick`` profile a notebook that runs longer than :data:`QUICK_BUDGET_S` is a build
+  warning, so ``make test`` (``-W``) fails on it.
+* **Offline cross-references.** Intersphinx inventories for the third-party types named in ``curvlab``'s
+  signatures (torch, numpy, pandas, sympy, matplotlib) are written from a curated list, so the API page
+  resolves under nitpicky mode without the network, and links go to the projects' documentation.
+* **Notation macros.** ``book/macros.yml`` is the one source of the book's MathJax macros.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from docutils import nodes
+from sphinx.application import Sphinx
+from sphinx.transforms.post_transforms import SphinxPostTransform
+from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
+
+LOGGER = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[2]
+QUICK_BUDGET_S = 30.0
+PROFILES = ("quick", "standard", "paper")
+
+# --------------------------------------------------------------------------------------------------------
+# Curated inventories: (project, base URL, [(name, role, relative URI)])
+# --------------------------------------------------------------------------------------------------------
+INVENTORIES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
+    "python": (
+        "https://docs.python.org/3/",
+        [
+            ("collections.abc.Callable", "py:class", "library/collections.abc.html#collections.abc.Callable"),
+            ("collections.abc.Iterable", "py:class", "library/collections.abc.html#collections.abc.Iterable"),
+            ("collections.abc.Iterator", "py:class", "library/collections.abc.html#collections.abc.Iterator"),
+            ("collections.abc.Mapping", "py:class", "library/collections.abc.html#collections.abc.Mapping"),
+            ("collections.abc.Sequence", "py:class", "library/collections.abc.html#collections.abc.Sequence"),
+            ("os.PathLike", "py:class", "library/os.html#os.PathLike"),
+            ("os.replace", "py:function", "library/os.html#os.replace"),
+            ("pathlib.Path", "py:class", "library/pathlib.html#pathlib.Path"),
+            ("random.Random", "py:class", "library/random.html#random.Random"),
+        ],
+    ),
+    "joblib": (
+        "https://joblib.readthedocs.io/en/stable/",
+        [
+            ("joblib", "py:module", "index.html"),
+            ("joblib.Parallel", "py:class", "generated/joblib.Parallel.html"),
+        ],
+    ),
+    "tqdm": (
+        "https://tqdm.github.io/",
+        [
+            ("tqdm.auto", "py:module", "docs/shortcuts/#tqdmauto"),
+            ("tqdm.auto.tqdm", "py:class", "docs/tqdm/"),
+        ],
+    ),
+    "torch": (
+        "https://pytorch.org/docs/stable/",
+        [
+            ("torch.Tensor", "py:class", "tensors.html#torch.Tensor"),
+            ("torch._C.Generator", "py:class", "generated/torch.Generator.html"),
+            ("torch.func.functional_call", "py:function", "generated/torch.func.functional_call.html"),
+            ("torch.func.jvp", "py:function", "generated/torch.func.jvp.html"),
+            ("torch.func.vjp", "py:function", "generated/torch.func.vjp.html"),
+            ("torch.func.vmap", "py:function", "generated/torch.func.vmap.html"),
+            ("torch.func.jacrev", "py:function", "generated/torch.func.jacrev.html"),
+            ("torch.func.jacfwd", "py:function", "generated/torch.func.jacfwd.html"),
+            ("torch.kron", "py:function", "generated/torch.kron.html"),
+            ("torch.linalg.eigh", "py:function", "generated/torch.linalg.eigh.html"),
+            ("torch.dtype", "py:class", "tensor_attributes.html#torch.dtype"),
+            ("torch.device", "py:class", "tensor_attributes.html#torch.device"),
+            ("torch.Generator", "py:class", "generated/torch.Generator.html"),
+            ("torch.nn.Module", "py:class", "generated/torch.nn.Module.html"),
+            ("torch.optim.Optimizer", "py:class", "optim.html#torch.optim.Optimizer"),
+        ],
+    ),
+    "numpy": (
+        "https://numpy.org/doc/stable/",
+        [
+            ("numpy.ndarray", "py:class", "reference/generated/numpy.ndarray.html"),
+            ("numpy.random.Generator", "py:class", "reference/random/generator.html#numpy.random.Generator"),
+            ("numpy.dtype", "py:class", "reference/generated/numpy.dtype.html"),
+        ],
+    ),
+    "pandas": (
+        "https://pandas.pydata.org/docs/",
+        [
+            ("pandas.DataFrame", "py:class", "reference/api/pandas.DataFrame.html"),
+            ("pandas.Series", "py:class", "reference/api/pandas.Series.html"),
+        ],
+    ),
+    "sympy": (
+        "https://docs.sympy.org/latest/",
+        [
+            ("sympy.core.expr.Expr", "py:class", "modules/core.html#sympy.core.expr.Expr"),
+            ("sympy.matrices.dense.MutableDenseMatrix", "py:class", "modules/matrices/dense.html"),
+        ],
+    ),
+    "matplotlib": (
+        "https://matplotlib.org/stable/",
+        [
+            ("matplotlib.axes.Axes", "py:class", "api/_as_gen/matplotlib.axes.Axes.html"),
+            ("matplotlib.figure.Figure", "py:class", "api/_as_gen/matplotlib.figure.Figure.html"),
+        ],
+    ),
+}
+
+
+def write_inventory(path: Path, project: str, entries: list[tuple[str, str, str]]) -> None:
+    """Write a Sphinx ``objects.inv`` (format version 2) for ``entries``."""
+    header = f"# Sphinx inventory version 2\n# Project: {project}\n# Version: stable\n# The remainder of this file is compressed using zlib.\n"
+    body = "".join(f"{name} {role} 1 {uri} -\n" for name, role, uri in entries)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(header.encode() + zlib.compress(body.encode()))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Cache key and environment
+# --------------------------------------------------------------------------------------------------------
+def library_key(profile: str) -> str:
+    """Hash of everything that can change a notebook's outputs besides its own code."""
+    h = hashlib.sha256(profile.encode())
+    files = sorted((ROOT / "lib").rglob("*.py")) + [ROOT / "lib" / "pyproject.toml"]
+    for f in files:
+        if "__pycache__" in f.parts:
+            continue
+        h.update(str(f.relative_to(ROOT)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def ledger_dir(profile: str, key: str) -> Path:
+    return ROOT / "_build" / "ledger" / f"{profile}-{key}"
+
+
+def execution_record_path(profile: str, key: str) -> Path:
+    """Where ``tools/build_book.py`` records which notebooks it executed, and how long each took."""
+    return ROOT / "_build" / "execution" / f"{profile}-{key}.json"
+
+
+def build_environment(profile: str) -> dict[str, str]:
+    """The environment every notebook of a book build runs in (and where its cache and ledger live)."""
+    profile = (profile or "standard").strip().lower()
+    if profile not in PROFILES:
+        raise ValueError(f"CURVLAB_PROFILE must be one of {PROFILES}, got {profile!r}")
+    key = library_key(profile)
+    return {
+        "CURVLAB_PROFILE": profile,
+        "CURVLAB_KEY": key,
+        "CURVLAB_BOOK_BUILD": "1",
+        "CURVLAB_PROGRESS": "0",
+        "CURVLAB_LEDGER_DIR": str(ledger_dir(profile, key)),
+        "CURVLAB_EXECUTION_CACHE": str(ROOT / "_build" / ".jupyter_cache" / f"{profile}-{key}"),
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
+
+
+def _config_inited(app: Sphinx, config: Any) -> None:
+    env = build_environment(os.environ.get("CURVLAB_PROFILE", "standard"))
+    os.environ.update(env)
+    config.nb_execution_cache_path = env["CURVLAB_EXECUTION_CACHE"]
+    app.curvlab_profile = env["CURVLAB_PROFILE"]  # type: ignore[attr-defined]
+    app.curvlab_key = env["CURVLAB_KEY"]  # type: ignore[attr-defined]
+
+    macros = yaml.safe_load((ROOT / "book" / "macros.yml").read_text()) if (ROOT / "book" / "macros.yml").exists() else {}
+    mj = dict(config.mathjax3_config or {})
+    tex = dict(mj.get("tex", {}))
+    tex["macros"] = {**tex.get("macros", {}), **(macros or {})}
+    mj["tex"] = tex
+    config.mathjax3_config = mj
+
+    inv_dir = ROOT / "_build" / "inventories"
+    mapping = dict(config.intersphinx_mapping or {})
+    for project, (base, entries) in INVENTORIES.items():
+        path = inv_dir / f"{project}.inv"
+        write_inventory(path, project, entries)
+        mapping[project] = (base, str(path))
+    config.intersphinx_mapping = mapping
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ledger and status directives
+# --------------------------------------------------------------------------------------------------------
+class LedgerNode(nodes.General, nodes.Element):
+    """Placeholder for the reproduction ledger."""
+
+
+class StatusNode(nodes.General, nodes.Element):
+    """Placeholder for the execution-status table."""
+
+
+class _Placeholder(SphinxDirective):
+    node_class: type = nodes.Element
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        self.env.curvlab_generated = getattr(self.env, "curvlab_generated", set()) | {self.env.docname}
+        return [self.node_class()]
+
+
+class LedgerDirective(_Placeholder):
+    node_class = LedgerNode
+
+
+class StatusDirective(_Placeholder):
+    node_class = StatusNode
+
+
+def _load_records(app: Sphinx) -> dict[str, list[dict[str, Any]]]:
+    d = ledger_dir(app.curvlab_profile, app.curvlab_key)  # type: ignore[attr-defined]
+    out: dict[str, list[dict[str, Any]]] = {}
+    if d.is_dir():
+        for f in sorted(d.glob("*.json")):
+            out[f.stem] = json.loads(f.read_text())
+    return out
+
+
+def _table(header: list[str], rows: list[list[str]], classes: list[str]) -> nodes.table:
+    table = nodes.table(classes=["colwidths-auto", *classes])
+    tgroup = nodes.tgroup(cols=len(header))
+    table += tgroup
+    for _ in header:
+        tgroup += nodes.colspec(colwidth=1)
+    thead, tbody = nodes.thead(), nodes.tbody()
+    tgroup += thead
+    tgroup += tbody
+    row = nodes.row()
+    for h in header:
+        row += nodes.entry("", nodes.paragraph(text=h))
+    thead += row
+    for r in rows:
+        row = nodes.row()
+        for c in r:
+            row += nodes.entry("", nodes.paragraph(text=c))
+        tbody += row
+    return table
+
+
+_LEDGER_COLUMNS = ["chapter", "check", "kind", "source", "statistic", "measured", "prediction", "tolerance (why)", "foil / effect", "status"]
+
+
+def ledger_rows(records: dict[str, list[dict[str, Any]]], kinds: tuple[str, ...]) -> list[list[str]]:
+    rows = []
+    for chapter, recs in records.items():
+        for r in recs:
+            if r["kind"] not in kinds:
+                continue
+            tol = "" if r.get("tolerance") is None else f"{r['tolerance']:.3g} ({r.get('tolerance_why', '')})"
+            if r["kind"] == "identity":
+                tol = r.get("route", "")
+            foil = r.get("foil", "")
+            if r.get("effect") is not None:
+                foil += f"; effect {r['effect']:.3g}"
+            status = r["status"] + (" — underpowered" if r.get("underpowered") else "")
+            rows.append([chapter, r["name"], r["kind"], r["source"], r.get("statistic", ""), r.get("measured", ""),
+                         r.get("predicted", ""), tol, foil, status])
+    return rows
+
+
+class CurvlabPostTransform(SphinxPostTransform):
+    default_priority = 8
+
+    def run(self, **kwargs: Any) -> None:
+        app = self.app
+        records = _load_records(app)
+        for node in list(self.document.findall(LedgerNode)):
+            container = nodes.container(classes=["curvlab-ledger"])
+            profile = app.curvlab_profile  # type: ignore[attr-defined]
+            n_claims = sum(r["kind"] == "claim" for recs in records.values() for r in recs)
+            n_derived = sum(r["kind"] != "claim" for recs in records.values() for r in recs)
+            container += nodes.paragraph(
+                text=f"Profile of this build: {profile}. {n_derived} derived checks (asserted; the build fails if one "
+                f"misses) and {n_claims} paper claims (ledgered, never failing the build)."
+            )
+            sec1 = nodes.rubric(text="Paper claims")
+            container += sec1
+            container += _table(_LEDGER_COLUMNS, ledger_rows(records, ("claim",)), ["curvlab-ledger-claims"])
+            container += nodes.rubric(text="Derived predictions")
+            container += _table(_LEDGER_COLUMNS, ledger_rows(records, ("derived", "bound", "identity")), ["curvlab-ledger-derived"])
+            node.replace_self(container)
+        for node in list(self.document.findall(StatusNode)):
+            node.replace_self(self._status(records))
+
+    def _status(self, records: dict[str, list[dict[str, Any]]]) -> nodes.Node:
+        from myst_nb.sphinx_ import NbMetadataCollector
+
+        data = NbMetadataCollector.get_doc_data(self.env)
+        profile, key = self.app.curvlab_profile, self.app.curvlab_key  # type: ignore[attr-defined]
+        path = execution_record_path(profile, key)
+        executed = json.loads(path.read_text()) if path.exists() else {}
+        rows = []
+        for docname in sorted(data):
+            ex = data[docname].get("exec_data")
+            if not ex:
+                continue
+            rec = executed.get(docname, {})
+            runtime = rec.get("runtime", ex.get("runtime"))
+            how = "executed in this build" if rec.get("executed") else "from the execution cache"
+            recs = records.get(Path(docname).name, [])
+            over = profile == "quick" and runtime is not None and runtime > QUICK_BUDGET_S
+            rows.append([
+                docname,
+                how,
+                "-" if runtime is None else f"{runtime:.1f}" + (" (over budget)" if over else ""),
+                str(sum(r["kind"] != "claim" for r in recs)),
+                str(sum(r["kind"] == "claim" for r in recs)),
+                "ok" if ex.get("succeeded") else "FAILED",
+            ])
+        header = ["notebook", "outputs", "run time (s)", "derived checks", "claims", "status"]
+        container = nodes.container(classes=["curvlab-status"])
+        budget = f" Budget per notebook in this profile: {QUICK_BUDGET_S:g} s." if profile == "quick" else ""
+        container += nodes.paragraph(
+            text=f"Profile of this build: {profile}; execution-cache key {key} (library source + profile).{budget}"
+        )
+        container += _table(header, rows, ["curvlab-status-table"])
+        return container
+
+
+def _env_updated(app: Sphinx, env: Any) -> list[str]:
+    return sorted(getattr(env, "curvlab_generated", set()))
+
+
+def _merge(app: Sphinx, env: Any, docnames: Any, other: Any) -> None:
+    env.curvlab_generated = getattr(env, "curvlab_generated", set()) | getattr(other, "curvlab_generated", set())
+
+
+def _purge(app: Sphinx, env: Any, docname: str) -> None:
+    if hasattr(env, "curvlab_generated"):
+        env.curvlab_generated.discard(docname)
+
+
+def _build_finished(app: Sphinx, exception: Exception | None) -> None:
+    if exception is not None:
+        return
+    profile, key = app.curvlab_profile, app.curvlab_key  # type: ignore[attr-defined]
+    path = execution_record_path(profile, key)
+    executed = json.loads(path.read_text()) if path.exists() else {}
+    for docname, rec in sorted(executed.items()):
+        runtime = rec.get("runtime")
+        if profile == "quick" and rec.get("executed") and runtime is not None and runtime > QUICK_BUDGET_S:
+            LOGGER.warning(
+                f"{docname} ran {runtime:.1f} s in the quick profile, over its {QUICK_BUDGET_S:g} s budget",
+                type="curvlab", subtype="budget",
+            )
+    for chapter, recs in _load_records(app).items():
+        for r in recs:
+            if r["status"] == "failed":
+                LOGGER.warning(f"{chapter}: derived check failed: {r['name']} ({r.get('note', '')})", type="curvlab", subtype="check")
+
+
+def setup(app: Sphinx) -> dict[str, Any]:
+    app.connect("config-inited", _config_inited, priority=100)
+    app.add_node(LedgerNode)
+    app.add_node(StatusNode)
+    app.add_directive("curvlab-ledger", LedgerDirective)
+    app.add_directive("curvlab-status", StatusDirective)
+    app.add_post_transform(CurvlabPostTransform)
+    app.connect("env-updated", _env_updated)
+    app.connect("env-merge-info", _merge)
+    app.connect("env-purge-doc", _purge)
+    app.connect("build-finished", _build_finished)
+    return {"version": "0.1", "parallel_read_safe": True, "parallel_write_safe": True}
