@@ -1,0 +1,201 @@
+r"""Small shared linear-algebra tools: symmetric spectra, PSD roots, vectorisation, Kronecker products, subspaces.
+
+**Vectorisation convention (the one place it is stated for the whole library).** ``curvlab`` vectorises
+row-major, as torch's ``reshape`` does: :func:`vec` stacks the *rows* of a matrix. With that convention
+
+.. math::
+
+    \operatorname{vec}(A X B) = (A \otimes B^\top)\, \operatorname{vec}(X),
+
+whereas the column-major convention of most papers gives
+:math:`\operatorname{vec}(AXB) = (B^\top \otimes A)\operatorname{vec}(X)`. Every Kronecker product in
+``curvlab`` (Jacobians, Gauss-Newton blocks, K-FAC factors) is written in the row-major order above; when a
+paper writes :math:`B^\top \otimes A`, the library writes :math:`A \otimes B^\top`.
+
+Spectral work runs in float64 on :func:`curvlab.config.spectral_device` (the CPU when tensors live on MPS).
+Functions accept a leading batch dimension ``(..., m, n)`` wherever that is natural (a sweep over seeds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import config
+from ._validate import as_tensor, check_choice, check_finite, check_int, check_matrix, check_nonnegative
+
+__all__ = [
+    "default_rtol",
+    "sym_eigh",
+    "psd_sqrt",
+    "psd_inv_sqrt",
+    "vec",
+    "unvec",
+    "kron",
+    "principal_angles",
+    "sin_theta_distance",
+]
+
+
+def default_rtol(size: int, dtype: torch.dtype = torch.float64) -> float:
+    r"""Default relative threshold for a numerical rank: :math:`\mathrm{rtol} = n\,\varepsilon_{\mathrm{dtype}}`.
+
+    Here :math:`n` = ``size``. This is the convention of ``numpy.linalg.matrix_rank``: an eigenvalue (or singular
+    value) counts as zero when it is at most ``rtol`` times the largest one. ``dtype`` is the precision the matrix
+    was *computed* in (a float32 Gram matrix promoted to float64 still carries float32 noise).
+    """
+    size = check_int("size", size, min_value=1)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return size * torch.finfo(dtype).eps
+
+
+def _check_symmetric(name: str, A: torch.Tensor) -> torch.Tensor:
+    """Raise if ``A`` is not symmetric to ``100 n eps`` of its dtype, relative to its largest entry."""
+    tol = 100 * A.shape[-1] * torch.finfo(A.dtype).eps
+    scale = A.abs().amax(dim=(-2, -1)).clamp_min(torch.finfo(A.dtype).tiny)
+    asym = (A - A.transpose(-2, -1)).abs().amax(dim=(-2, -1))
+    if bool((asym > tol * scale).any()):
+        raise ValueError(f"{name} must be symmetric; max |{name} - {name}^T| = {float(asym.max()):.3g}")
+    return A
+
+
+def sym_eigh(A) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Eigendecomposition :math:`A = Q \operatorname{diag}(\lambda) Q^\top` of a symmetric matrix, in float64.
+
+    Returns ``(eigenvalues, Q)`` with eigenvalues ascending, shapes ``(..., n)`` and ``(..., n, n)``, on
+    :func:`curvlab.config.spectral_device` (via :func:`curvlab.config.spectral`). ``A`` may be batched
+    ``(..., n, n)``; it is symmetrised as :math:`\tfrac12(A + A^\top)` after a symmetry check.
+    """
+    return _eigh("A", A)
+
+
+def _eigh(name: str, A) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sym_eigh` with error messages naming the caller's argument ``name``."""
+    A = _check_symmetric(name, check_matrix(name, A, square=True, batch=True))
+    A64 = config.spectral(A)
+    return torch.linalg.eigh(0.5 * (A64 + A64.transpose(-2, -1)))
+
+
+def _psd_eigh(name: str, A) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(A, eigenvalues, Q)`` of a PSD matrix; eigenvalues within the float noise of zero are clamped to zero."""
+    A = check_matrix(name, A, square=True, batch=True)
+    lam, Q = _eigh(name, A)
+    noise = 100 * A.shape[-1] * torch.finfo(A.dtype).eps * lam.abs().amax(dim=-1, keepdim=True)
+    if bool((lam < -noise).any()):
+        raise ValueError(f"{name} must be positive semi-definite; its smallest eigenvalue is {float(lam.min()):.3g}")
+    return A, lam.clamp_min(0.0), Q
+
+
+def psd_sqrt(A) -> torch.Tensor:
+    r"""Symmetric square root :math:`A^{1/2} = Q \operatorname{diag}(\sqrt{\lambda}) Q^\top` of a PSD matrix.
+
+    Computed in float64 through :func:`sym_eigh`, returned in ``A``'s dtype and device. Batched ``(..., n, n)``.
+    """
+    A, lam, Q = _psd_eigh("A", A)
+    root = (Q * lam.sqrt().unsqueeze(-2)) @ Q.transpose(-2, -1)
+    return root.to(dtype=A.dtype, device=A.device)
+
+
+def psd_inv_sqrt(A, rtol: float | None = None) -> torch.Tensor:
+    r"""Pseudo-inverse square root of a PSD matrix,
+
+    .. math::
+
+        (A^{+})^{1/2} = Q \operatorname{diag}\big(\lambda_i^{-1/2}\,[\lambda_i > \mathrm{rtol}\,\lambda_{\max}]\big)
+        Q^\top.
+
+    Eigenvalues at or below ``rtol * lambda_max`` are treated as zero (their directions are dropped, not
+    blown up), so the result is finite for singular ``A`` (whitening with a rank-deficient covariance).
+    ``rtol`` defaults to :func:`default_rtol` ``(n, A.dtype)``. Computed in float64, returned in ``A``'s dtype.
+    """
+    A, lam, Q = _psd_eigh("A", A)
+    rtol = default_rtol(A.shape[-1], A.dtype) if rtol is None else check_nonnegative("rtol", rtol)
+    if rtol >= 1:
+        raise ValueError(f"rtol must be < 1, got {rtol}")
+    keep = lam > rtol * lam.amax(dim=-1, keepdim=True)
+    inv = torch.where(keep, lam.clamp_min(torch.finfo(lam.dtype).tiny).rsqrt(), torch.zeros_like(lam))
+    return ((Q * inv.unsqueeze(-2)) @ Q.transpose(-2, -1)).to(dtype=A.dtype, device=A.device)
+
+
+def vec(M) -> torch.Tensor:
+    r"""Row-major vectorisation :math:`\operatorname{vec}(M)_{i n + j} = M_{ij}`: ``(..., m, n) -> (..., m n)``.
+
+    See the module docstring for the Kronecker identity this convention implies.
+    """
+    M = check_finite("M", as_tensor("M", M))
+    if M.dim() < 2:
+        raise ValueError(f"M must have at least 2 dimensions (..., m, n), got shape {tuple(M.shape)}")
+    return M.reshape(*M.shape[:-2], M.shape[-2] * M.shape[-1])
+
+
+def unvec(v, shape) -> torch.Tensor:
+    r"""Inverse of :func:`vec`: ``(..., m n) -> (..., m, n)`` for ``shape = (m, n)``, row-major."""
+    v = check_finite("v", as_tensor("v", v))
+    if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2:
+        raise TypeError(f"shape must be a pair (m, n), got {shape!r}")
+    m, n = (check_int("shape", s, min_value=1) for s in shape)
+    if v.dim() < 1 or v.shape[-1] != m * n:
+        raise ValueError(f"v must have last dimension m*n = {m * n} for shape {(m, n)}, got shape {tuple(v.shape)}")
+    return v.reshape(*v.shape[:-1], m, n)
+
+
+def kron(A, B) -> torch.Tensor:
+    r"""Kronecker product :math:`(A \otimes B)_{(i p + k),(j q + l)} = A_{ij} B_{kl}`, batched over leading dims.
+
+    ``A: (..., m, n)``, ``B: (..., p, q)`` give ``(..., m p, n q)``; equal to :func:`torch.kron` for matrices.
+    In row-major order, :math:`\operatorname{vec}(A X B) = (A \otimes B^\top)\operatorname{vec}(X)`.
+    """
+    A = check_matrix("A", A, batch=True)
+    B = check_matrix("B", B, batch=True)
+    try:
+        batch = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+    except RuntimeError:
+        raise ValueError(f"A and B batch dimensions do not broadcast: {tuple(A.shape)} vs {tuple(B.shape)}") from None
+    (m, n), (p, q) = A.shape[-2:], B.shape[-2:]
+    out = A[..., :, None, :, None] * B[..., None, :, None, :]
+    return out.reshape(*batch, m * p, n * q)
+
+
+def _row_basis(name: str, A: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis ``(..., d, k)`` of the row space of a full-row-rank ``A: (..., k, d)``, in float64."""
+    k, d = A.shape[-2:]
+    if k > d:
+        raise ValueError(f"{name} must have at most as many rows as columns (k <= d), got shape {tuple(A.shape)}")
+    U, S, _ = torch.linalg.svd(config.spectral(A).transpose(-2, -1), full_matrices=False)
+    if bool((S[..., -1] <= default_rtol(max(k, d), A.dtype) * S[..., 0]).any()):
+        smallest = float(S[..., -1].min())
+        raise ValueError(f"{name} must have full row rank {k}; its smallest singular value is {smallest:.3g}")
+    return U
+
+
+def principal_angles(A, B) -> torch.Tensor:
+    r"""Principal angles :math:`0 \le \theta_1 \le \dots \le \theta_r \le \pi/2` between the ROW spaces of A and B.
+
+    Rows are the convention of the book (a layer :math:`G \in \mathbb{R}^{k \times d}` learns the subspace
+    :math:`\operatorname{row}(G)`). With orthonormal bases :math:`Q_A, Q_B` of the row spaces,
+    :math:`\cos\theta_i = \sigma_i(Q_A^\top Q_B)` and :math:`\sin\theta_i = \sigma_{r+1-i}((I - Q_A Q_A^\top) Q_B)`;
+    the angle is :math:`\operatorname{atan2}(\sin, \cos)`, accurate for small and large angles alike.
+    ``A: (..., k_A, d)``, ``B: (..., k_B, d)`` of full row rank; returns float64 ``(..., min(k_A, k_B))``.
+    """
+    A = check_matrix("A", A, batch=True)
+    B = check_matrix("B", B, batch=True)
+    if A.shape[-1] != B.shape[-1]:
+        raise ValueError(f"A and B must have the same number of columns, got {tuple(A.shape)} and {tuple(B.shape)}")
+    QA, QB = _row_basis("A", A), _row_basis("B", B.to(A.device))
+    if QA.shape[-1] < QB.shape[-1]:
+        QA, QB = QB, QA  # angles are symmetric; project the smaller basis
+    cos = torch.linalg.svdvals(QA.transpose(-2, -1) @ QB).clamp(0.0, 1.0)
+    sin = torch.linalg.svdvals(QB - QA @ (QA.transpose(-2, -1) @ QB)).clamp(0.0, 1.0).flip(-1)
+    return torch.atan2(sin, cos)
+
+
+def sin_theta_distance(A, B, norm: str = "spectral") -> torch.Tensor:
+    r"""Sin-theta distance between row spaces: :math:`\|(I - Q_B Q_B^\top) Q_A\|`, i.e. :math:`\|\sin\Theta\|`.
+
+    ``norm="spectral"`` (default) gives :math:`\sin\theta_{\max}`, the book's subspace distance
+    :math:`\operatorname{dist}(G, G^*)` (chapter on linear representation learning); ``norm="fro"`` gives
+    :math:`(\sum_i \sin^2\theta_i)^{1/2}`. Batched like :func:`principal_angles`; float64.
+    """
+    norm = check_choice("norm", norm, ("spectral", "fro"))
+    s = torch.sin(principal_angles(A, B))
+    return s.amax(dim=-1) if norm == "spectral" else s.square().sum(dim=-1).sqrt()

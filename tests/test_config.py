@@ -1,0 +1,73 @@
+"""Tests for curvlab.config (device routing). The lead may add further tests below; these are the MPS-routing ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from curvlab import config, curvature, linalg
+
+
+class FakeMPSTensor(torch.Tensor):
+    """A CPU tensor that reports ``device == mps``, so MPS routing can be tested on any machine.
+
+    Every torch operation on it returns a plain tensor (the subclass is dropped), so where an operation's
+    result lives is the truth, not the fake property.
+    """
+
+    @property
+    def device(self):  # type: ignore[override]
+        return torch.device("mps")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def mocked_mps(monkeypatch):
+    """Pretend the machine has MPS and no CUDA, with no device requested through the environment."""
+    monkeypatch.delenv(config.DEVICE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(config, "_mps_available", lambda: True)
+
+
+@pytest.fixture
+def eigh_spy(monkeypatch):
+    """Record the dtype and device of every matrix that reaches ``torch.linalg.eigh``."""
+    seen: list[tuple[torch.dtype, torch.device, type]] = []
+    real = torch.linalg.eigh
+
+    def spy(A, *args, **kwargs):
+        seen.append((A.dtype, A.device, type(A)))
+        return real(A, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    return seen
+
+
+def test_mps_spectral_routing_device_choice(mocked_mps):
+    assert config.device().type == "mps"
+    assert config.spectral_device().type == "cpu"
+    assert config.spectral_device("mps").type == "cpu"
+    assert config.spectral_dtype("mps") == torch.float64
+    assert config.spectral_device("cpu").type == "cpu"
+
+
+def test_mps_spectral_conversion_lands_on_cpu_float64(mocked_mps):
+    A = torch.randn(4, 4, dtype=torch.float32).as_subclass(FakeMPSTensor)
+    assert A.device.type == "mps"
+    S = config.spectral(A)
+    assert type(S) is torch.Tensor and S.device.type == "cpu" and S.dtype == torch.float64
+
+
+def test_mps_spectral_work_in_linalg_and_curvature_runs_on_cpu_float64(mocked_mps, eigh_spy):
+    B = torch.randn(5, 3, dtype=torch.float32)
+    A = (B @ B.T).as_subclass(FakeMPSTensor)  # a float32 "MPS" Gram matrix of rank 3
+    lam, Q = linalg.sym_eigh(A)
+    assert lam.dtype == torch.float64 and lam.device.type == "cpu" and Q.device.type == "cpu"
+    cn = curvature.condition_number(A)
+    assert cn.rank == 3 and cn.rtol == 5 * torch.finfo(torch.float32).eps  # default rtol from the input dtype
+    assert len(eigh_spy) == 2
+    assert all(dt == torch.float64 and dev.type == "cpu" and t is torch.Tensor for dt, dev, t in eigh_spy)
