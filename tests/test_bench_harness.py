@@ -1,0 +1,78 @@
+"""The benchmark harness produces its schema (frame, ratio table, JSON, Markdown). No timing is asserted here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def harness():
+    spec = importlib.util.spec_from_file_location("curvlab_bench_harness", BENCH / "harness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SIZES = [{"n": 8}, {"n": 16}]
+VARIANTS = {"ones": lambda n: torch.ones(n, 1000).sum(), "zeros": lambda n: torch.zeros(n).sum()}
+
+
+def test_bench_harness_compare_schema_and_reports(harness, tmp_path):
+    frame = harness.compare("toy", VARIANTS, SIZES, repeats=3, warmup=1, device="cpu", results_dir=tmp_path)
+    assert set(harness.RESERVED) | {"n"} <= set(frame.columns)
+    assert len(frame) == len(SIZES) * len(VARIANTS) * 3
+    per_repeat = frame.groupby(["size", "repeat"])["variant"].apply(set)
+    assert all(v == set(VARIANTS) for v in per_repeat)  # interleaved: every repeat runs every variant
+    first = frame[frame["order"] == 0].groupby("size")["variant"].nunique()
+    assert (first == 2).all()  # the order rotates between repeats
+    assert (frame["time_s"] > 0).all() and frame["mem_method"].str.len().gt(0).all()
+    if frame["mem_method"].iloc[0].startswith("torch.profiler"):
+        ones = frame[(frame["variant"] == "ones") & (frame["n"] == 16)]
+        assert (ones["peak_mem_bytes"] >= 16 * 1000 * 4).all()  # the method sees torch's CPU allocations
+
+    ratios = harness.ratio_table(frame)
+    want = {"size", "variant", "baseline", "median_time_s", "min_time_s", "ratio", "ratio_q25", "ratio_q75",
+            "ratio_ci_low", "ratio_ci_high", "peak_mem_bytes", "mem_ratio"}
+    assert want <= set(ratios.columns) and len(ratios) == 4
+    assert (ratios.loc[ratios["variant"] == "ones", "ratio"] == 1.0).all()  # default baseline: first variant
+
+    md = (tmp_path / "toy.md").read_text()
+    assert "| size | variant | median time (ms) | time ratio |" in md and "`ones`" in md
+    assert md.count("\n| n=") == 4 and "Peak memory:" in md and "Machine:" in md
+    payload = json.loads((tmp_path / "toy.json").read_text())
+    assert {"name", "machine", "settings", "ratios", "records"} <= set(payload)
+    assert {"cpu_model", "logical_cores", "torch", "numpy", "device", "curvlab_revision"} <= set(payload["machine"])
+    assert len(payload["records"]) == len(frame) and payload["settings"]["baseline"] == "ones"
+
+
+def test_bench_harness_setup_runs_once_per_size(harness, tmp_path):
+    calls = []
+
+    def setup(n):
+        calls.append(n)
+        return torch.arange(float(n))
+
+    variants = {"sum": lambda x: x.sum(), "cumsum": lambda x: x.cumsum(0)}
+    frame = harness.compare("toy_setup", variants, SIZES, setup=setup, repeats=2, warmup=0, baseline="cumsum",
+                            device="cpu", memory=False, write=False, results_dir=tmp_path)
+    assert calls == [8, 16] and not (tmp_path / "toy_setup.md").exists()
+    assert harness.ratio_table(frame).query("variant == 'cumsum'")["ratio"].eq(1.0).all()
+    assert frame["mem_method"].eq("not measured").all()
+
+
+def test_bench_harness_bad_arguments(harness):
+    with pytest.raises(ValueError, match="baseline"):
+        harness.compare("toy", VARIANTS, SIZES, baseline="nope", write=False)
+    with pytest.raises(ValueError, match="name"):
+        harness.compare("bad name", VARIANTS, SIZES, write=False)
+    with pytest.raises(TypeError, match="variants"):
+        harness.compare("toy", {}, SIZES, write=False)
+    with pytest.raises(ValueError, match="sizes"):
+        harness.compare("toy", VARIANTS, [{"time_s": 1}], write=False)
