@@ -58,10 +58,11 @@ __all__ = [
     "set_chapter",
     "reset",
     "expect_failure",
+    "CheckTable",
 ]
 
-#: Number of standard errors in a replicate-spread tolerance: a false alarm rate of about 0.3 % per
-#: Gaussian statistic. Changing it changes every check in the book at once, and the ledger says so.
+#: How many standard errors a replicate-spread tolerance spans (a false-alarm rate of about 0.3 % per
+#: Gaussian statistic). Changing it changes every check in the book at once, and the ledger says so.
 Z_DEFAULT = 3.0
 #: A check is *underpowered* when its tolerance exceeds this fraction of the effect it distinguishes.
 UNDERPOWERED_RATIO = 1.0 / 3.0
@@ -139,13 +140,19 @@ class Tolerance:
     @classmethod
     def standard_error(cls, se: Any, *, z: float = Z_DEFAULT, why: str) -> Tolerance:
         """``z`` times a standard error computed elsewhere (e.g. a regression's slope SE)."""
-        se_val = float(np.max(np.abs(_to_numpy(se))))
+        se_arr = np.asarray(_to_numpy(se), dtype=float)
+        if se_arr.size == 0 or not np.isfinite(se_arr).all() or (se_arr < 0).any():
+            raise ValueError("se must be finite standard errors >= 0")
+        se_val = float(np.max(se_arr))
         return cls._component("standard error", z * se_val, f"{z:g}·SE; {why}")
 
     @classmethod
     def finite_size(cls, value: Any, *, why: str) -> Tolerance:
         """A finite-size term the chapter derived or fitted (e.g. ``c/sqrt(d)`` with ``c`` fitted on a sweep)."""
-        return cls._component("finite size", float(np.max(np.abs(_to_numpy(value)))), why)
+        v = np.asarray(_to_numpy(value), dtype=float)
+        if v.size == 0 or (v < 0).any():
+            raise ValueError("a finite size tolerance component must be >= 0")
+        return cls._component("finite size", float(np.max(v)), why)
 
     @classmethod
     def float_error(cls, *arrays: Any, ops: int, cond: float = 1.0, dtype: Any = None) -> Tolerance:
@@ -450,7 +457,7 @@ def _is_zero_at_rationals(diff: Any, trials: int, seed: int) -> bool | None:
         try:
             val = diff.subs(point)
             vals = list(val) if isinstance(val, sp.MatrixBase) else [val]
-            vals = [sp.nsimplify(sp.simplify(v)) for v in vals]
+            vals = [v if v.is_Number else sp.simplify(v) for v in vals]
         except (ZeroDivisionError, ValueError):
             continue
         if any(v.has(sp.zoo, sp.nan, sp.oo) for v in vals):
@@ -462,9 +469,13 @@ def _is_zero_at_rationals(diff: Any, trials: int, seed: int) -> bool | None:
 
 
 def _prove(diff: Any, trials: int, seed: int) -> str | None:
+    """The route that proves ``diff ≡ 0``, or None. Random rational points first: they reject a false identity
+    quickly; then exact simplification, which, when it succeeds, is the stronger (deterministic) route."""
+    at_rationals = _is_zero_at_rationals(diff, trials, seed)
+    if at_rationals is False:
+        return None
     if _is_zero_exact(diff):
         return "exact simplification"
-    at_rationals = _is_zero_at_rationals(diff, trials, seed)
     if at_rationals:
         return f"exact evaluation at {trials} random rational points"
     return None
