@@ -205,3 +205,24 @@ def test_bad_inputs_name_the_argument():
         linalg.default_rtol(0)
     with pytest.raises(TypeError, match="dtype"):
         linalg.default_rtol(3, torch.int64)
+
+
+def test_covariance_has_the_requested_spectrum_and_root():
+    from curvlab.linalg import covariance
+
+    s = torch.logspace(0, 2, 6, dtype=torch.float64)
+    Sigma, half = covariance(s, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(torch.linalg.eigvalsh(Sigma), s, rtol=1e-10)
+    assert torch.allclose(half @ half, Sigma, atol=1e-10)
+    aligned, _ = covariance(s, basis="aligned")
+    assert torch.allclose(aligned, torch.diag(s))
+
+
+@pytest.mark.parametrize("bad, match", [([1.0, -1.0], "> 0"), ([[1.0]], "vector"), ([1.0, float("nan")], "non-finite")])
+def test_covariance_bad_input(bad, match):
+    from curvlab.linalg import covariance
+
+    with pytest.raises(ValueError, match=match):
+        covariance(bad)
+    with pytest.raises(ValueError, match="basis"):
+        covariance([1.0], basis="diagonal")

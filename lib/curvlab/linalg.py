@@ -33,6 +33,8 @@ __all__ = [
     "kron",
     "principal_angles",
     "sin_theta_distance",
+    "random_orthogonal",
+    "covariance",
 ]
 
 
@@ -199,3 +201,30 @@ def sin_theta_distance(A, B, norm: str = "spectral") -> torch.Tensor:
     norm = check_choice("norm", norm, ("spectral", "fro"))
     s = torch.sin(principal_angles(A, B))
     return s.amax(dim=-1) if norm == "spectral" else s.square().sum(dim=-1).sqrt()
+
+
+def random_orthogonal(d: int, *, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    r"""A Haar-distributed orthogonal :math:`d \times d` matrix (QR of a Gaussian matrix with the sign fix)."""
+    d = check_int("d", d, min_value=1)
+    A = torch.randn(d, d, generator=generator, dtype=dtype)
+    Q, R = torch.linalg.qr(A)
+    return Q * torch.sign(torch.diagonal(R)).unsqueeze(0)
+
+
+def covariance(eigenvalues, basis: str = "random", *, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""A covariance :math:`\Sigma = U \operatorname{diag}(s) U^\top` with a chosen spectrum, and its square root.
+
+    ``eigenvalues`` (``s``, positive) fix the spectrum, e.g. ``torch.logspace(0, 2, d)`` for
+    :math:`\kappa(\Sigma) = 100`; ``basis='random'`` draws :math:`U` Haar-uniformly (anisotropy not aligned with any
+    coordinate), ``basis='aligned'`` takes :math:`U = I` (a diagonal :math:`\Sigma`). Returns
+    ``(Sigma, Sigma_half)`` in float64, with ``Sigma_half`` the symmetric square root, so that
+    ``x = Sigma_half @ g`` with ``g ~ N(0, I)`` has covariance ``Sigma``.
+    """
+    s = check_finite("eigenvalues", as_tensor("eigenvalues", eigenvalues, dtype=torch.float64))
+    if s.dim() != 1 or s.numel() == 0:
+        raise ValueError(f"eigenvalues must be a non-empty vector, got shape {tuple(s.shape)}")
+    if bool((s <= 0).any()):
+        raise ValueError(f"eigenvalues must be > 0 (a covariance), got min {float(s.min()):.3g}")
+    check_choice("basis", basis, ("random", "aligned"))
+    U = random_orthogonal(s.numel(), generator=generator) if basis == "random" else torch.eye(s.numel(), dtype=torch.float64)
+    return (U * s) @ U.T, (U * s.sqrt()) @ U.T

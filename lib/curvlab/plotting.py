@@ -87,16 +87,24 @@ METHODS: dict[str, MethodStyle] = {
     "ridge": _m("ridge", "grey", "-.", "p", "estimator"),
     # Part II — Gauss-Newton in the mean-field regime
     "GD": _m("GD", "vermillion", "-", "o", "first-order"),
-    "GN": _m("GN", "blue", "-", "s", "second-order"),
+    "GN": _m("GN", "blue", "--", "D", "second-order"),
     "RF": _m("random features", "grey", ":", "x", "baseline"),
     "Newton": _m("Newton", "black", "--", "d", "second-order"),
     "LM": _m("damped GN (LM)", "green", "-", "^", "second-order"),
+    "GN+line-search": _m("GN + line search", "sky", "--", "v", "second-order"),
+    # Part 0 — curvature matrices and scalings
+    "Hessian": _m("Hessian", "black", "-", "*", "curvature"),
+    "Fisher": _m("Fisher (true)", "purple", "--", "s", "curvature"),
+    "empirical-Fisher": _m("empirical Fisher", "orange", ":", "^", "curvature"),
+    "NTK": _m("NTK scaling (1/√M)", "vermillion", "--", "o", "scaling"),
+    "mean-field": _m("mean-field scaling (1/M)", "blue", "-", "p", "scaling"),
+    "muP": _m("µP", "green", "-.", "^", "scaling"),
     # Part III — conditioning
     "kappa": _m("κ (measured)", "black", "-", "o", "measurement"),
     "bound": _m("bound (ratio of sums)", "blue", "--", "s", "theory"),
     "bound-loose": _m("loose bound (max)", "vermillion", ":", "^", "theory"),
-    "MP": _m("Marchenko–Pastur", "purple", "-.", "D", "theory"),
-    "linear": _m("linear", "black", "-", "o", "architecture"),
+    "MP": _m("Marchenko–Pastur", "purple", ":", "P", "theory"),
+    "linear": _m("linear", "black", "--", "o", "architecture"),
     "residual": _m("residual", "green", "--", "s", "architecture"),
     "leaky-ReLU": _m("leaky ReLU", "orange", "-.", "^", "architecture"),
     # generic
@@ -104,6 +112,10 @@ METHODS: dict[str, MethodStyle] = {
     "simulation": _m("simulation", "blue", "none", "o", "measurement"),
     "data": _m("data", "grey", "none", ".", "measurement"),
 }
+
+
+#: Names that denote the same algorithm in different parts (plain gradient steps) and so share one look.
+ALIASES: tuple[frozenset[str], ...] = (frozenset({"SGD", "AMGD", "GD"}),)
 
 
 def style(method: str) -> MethodStyle:
