@@ -1,0 +1,84 @@
+"""The book's Sphinx extension: cache key on lib/, offline inventories, macros, ledger tables."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "book" / "_ext"))
+import curvlab_book  # noqa: E402
+
+
+@pytest.fixture
+def fake_root(tmp_path, monkeypatch):
+    (tmp_path / "lib" / "curvlab").mkdir(parents=True)
+    (tmp_path / "lib" / "curvlab" / "a.py").write_text("x = 1\n")
+    (tmp_path / "lib" / "pyproject.toml").write_text("[project]\nname='curvlab'\n")
+    monkeypatch.setattr(curvlab_book, "ROOT", tmp_path)
+    return tmp_path
+
+
+def test_cache_key_changes_with_the_library_and_the_profile(fake_root):
+    key = curvlab_book.library_key("quick")
+    assert curvlab_book.library_key("quick") == key
+    assert curvlab_book.library_key("standard") != key
+    (fake_root / "lib" / "curvlab" / "a.py").write_text("x = 2\n")
+    assert curvlab_book.library_key("quick") != key, "a library change must re-execute the notebooks"
+    key2 = curvlab_book.library_key("quick")
+    (fake_root / "lib" / "curvlab" / "b.py").write_text("")
+    assert curvlab_book.library_key("quick") != key2, "a new library file must re-execute the notebooks"
+
+
+def test_build_environment_points_cache_and_ledger_at_the_key(fake_root):
+    env = curvlab_book.build_environment("quick")
+    key = env["CURVLAB_KEY"]
+    assert env["CURVLAB_EXECUTION_CACHE"].endswith(f"quick-{key}")
+    assert env["CURVLAB_LEDGER_DIR"].endswith(f"quick-{key}")
+    assert env["CURVLAB_BOOK_BUILD"] == "1" and env["CURVLAB_PROGRESS"] == "0"
+    with pytest.raises(ValueError, match="CURVLAB_PROFILE"):
+        curvlab_book.build_environment("enormous")
+
+
+def test_inventories_load_with_sphinx(tmp_path):
+    from sphinx.util.inventory import InventoryFile
+
+    for project, (base, entries) in curvlab_book.INVENTORIES.items():
+        path = tmp_path / f"{project}.inv"
+        curvlab_book.write_inventory(path, project, entries)
+        with open(path, "rb") as f:
+            inv = InventoryFile.load(f, base, lambda a, b: a + b)
+        for name, role, uri in entries:
+            assert name in inv[role], f"{name} missing from the {project} inventory"
+            assert inv[role][name][2] == base + uri
+
+
+def test_macros_file_is_valid_mathjax():
+    import yaml
+
+    macros = yaml.safe_load((ROOT / "book" / "macros.yml").read_text())
+    assert macros, "book/macros.yml is empty"
+    for name, value in macros.items():
+        assert name.isalpha(), name
+        if isinstance(value, list):
+            body, nargs = value
+            assert isinstance(body, str) and isinstance(nargs, int) and f"#{nargs}" in body
+        else:
+            assert isinstance(value, str) and "\\\\" not in value, f"{name}: doubled backslash"
+
+
+def test_ledger_rows_keep_claims_and_derived_apart():
+    records = {
+        "ch": [
+            {"kind": "claim", "name": "c", "source": "paper", "status": "reproduced", "tolerance": 0.1},
+            {"kind": "derived", "name": "d", "source": "here", "status": "passed", "tolerance": 0.01,
+             "effect": 1.0, "underpowered": False},
+            {"kind": "identity", "name": "i", "source": "here", "status": "passed", "route": "exact simplification"},
+        ]
+    }
+    claims = curvlab_book.ledger_rows(records, ("claim",))
+    derived = curvlab_book.ledger_rows(records, ("derived", "bound", "identity"))
+    assert [r[1] for r in claims] == ["c"] and [r[1] for r in derived] == ["d", "i"]
+    assert derived[1][7] == "exact simplification"

@@ -1,0 +1,132 @@
+"""Checks on the built book (``make test`` runs them after the strict quick build; skipped without a build)."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HTML = ROOT / "_build" / "html"
+EXECUTED = ROOT / "_build" / "jupyter_execute" / "notebooks"
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+pytestmark = [
+    pytest.mark.built,
+    pytest.mark.skipif(not (HTML / "book" / "index.html").exists(), reason="the book has not been built"),
+]
+
+
+class _Images(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.images: list[tuple[dict, list[str]]] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "img":
+            self.images.append((a, list(self.stack)))
+        elif tag not in ("br", "hr", "meta", "link", "input", "source"):
+            self.stack.append(f"{tag}.{a.get('class', '')}")
+
+    def handle_endtag(self, tag):
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i].split(".")[0] == tag:
+                del self.stack[i:]
+                break
+
+
+def chapter_pages() -> list[Path]:
+    return [HTML / "notebooks" / f"{nb.stem}.html" for nb in NOTEBOOKS]
+
+
+def test_every_chapter_was_built():
+    for page in chapter_pages():
+        assert page.exists(), f"{page} missing"
+
+
+@pytest.mark.parametrize("page", chapter_pages(), ids=lambda p: p.stem)
+def test_figures_have_alt_text_and_captions(page):
+    parser = _Images()
+    parser.feed(page.read_text())
+    content = [(a, st) for a, st in parser.images if a.get("src", "").startswith("data:image")]
+    for attrs, stack in content:
+        alt = attrs.get("alt", "")
+        assert len(alt) >= 20 and not alt.endswith(".png"), f"{page.stem}: an image without real alt text"
+        assert any("curvlab-figure" in s for s in stack), f"{page.stem}: a figure not shown with plotting.show"
+    html = page.read_text()
+    # matplotlib figures that bypassed plotting.show are rendered by myst-nb as plain <img> files
+    assert not re.search(r'<img[^>]+src="\.\./_images/[^"]+\.png"[^>]*alt="[^"]*\.png"', html)
+    assert html.count("<figcaption>") >= len(content)
+
+
+@pytest.mark.parametrize("page", chapter_pages(), ids=lambda p: p.stem)
+def test_profile_badge_and_setup_line(page):
+    html = page.read_text()
+    assert "curvlab-profile-badge" in html and "profile: quick" in html
+    assert re.search(r"curvlab \S+ \| profile=quick \| device=", html)
+
+
+def test_no_widget_views_or_stderr_in_executed_notebooks():
+    executed = sorted(EXECUTED.glob("*.ipynb"))
+    assert executed, "no executed notebooks found"
+    for path in executed:
+        nb = json.loads(path.read_text())
+        for cell in nb["cells"]:
+            for out in cell.get("outputs", []):
+                data = out.get("data", {})
+                assert "application/vnd.jupyter.widget-view+json" not in data, f"{path.name}: a dead widget view"
+                assert not (out.get("output_type") == "stream" and out.get("name") == "stderr"), (
+                    f"{path.name}: stderr output {''.join(out.get('text', ''))[:200]!r}"
+                )
+                assert out.get("output_type") != "error", f"{path.name}: an error output"
+
+
+def test_ledger_page_lists_every_chapter_check():
+    ledger = (HTML / "book" / "ledger.html").read_text()
+    records = sorted((ROOT / "_build" / "ledger").glob("quick-*/*.json"), key=lambda p: p.stat().st_mtime)
+    assert records, "no ledger records were written"
+    latest_dir = records[-1].parent
+    n = 0
+    for f in latest_dir.glob("*.json"):
+        for rec in json.loads(f.read_text()):
+            n += 1
+            assert html.escape(rec["name"], quote=False) in ledger, f"{rec['name']} is missing from the ledger"
+            assert rec["status"] != "failed", f"a failed derived check reached the ledger: {rec['name']}"
+    assert n > 0
+    assert "Paper claims" in ledger and "Derived predictions" in ledger
+
+
+def test_status_page_lists_every_notebook_with_its_time():
+    status = (HTML / "book" / "status.html").read_text()
+    for nb in NOTEBOOKS:
+        assert f"notebooks/{nb.stem}" in status
+    assert "executed in this build" in status
+    assert "Profile of this build: quick" in status
+
+
+def test_api_page_documents_the_core_modules():
+    api = (HTML / "book" / "api.html").read_text()
+    for name in ("curvlab.checks.derived", "curvlab.checks.Tolerance", "curvlab.curvature.kernel_gn_step",
+                 "curvlab.sweep.sweep", "curvlab.plotting.show", "curvlab.config.pick"):
+        assert f'id="{name}"' in api, f"{name} is not documented"
+    assert 'href="https://pytorch.org/docs/stable/tensors.html#torch.Tensor"' in api, "torch.Tensor is not linked"
+
+
+def test_mathjax_is_served_from_the_book():
+    page = (HTML / "notebooks" / f"{NOTEBOOKS[0].stem}.html").read_text()
+    assert re.search(r'src="[^"]*_static/mathjax/tex-svg-full\.js', page), "MathJax should be bundled for offline reading"
+    assert (HTML / "_static" / "mathjax" / "tex-svg-full.js").exists()
+
+
+def test_launch_buttons_point_at_the_repository():
+    import yaml
+
+    repo = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
+    page = (HTML / "notebooks" / f"{NOTEBOOKS[0].stem}.html").read_text()
+    assert repo.replace("https://github.com/", "") in page and "colab.research.google.com" in page

@@ -1,0 +1,255 @@
+"""The book's mechanical conventions (book/conventions.md), checked on every notebook and page."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+PAGES = sorted((ROOT / "book").glob("*.md"))
+sys.path.insert(0, str(ROOT / "tools"))
+import nbtool  # noqa: E402
+
+
+def cells(path: Path, kind: str | None = None) -> list[dict]:
+    nb = json.loads(path.read_text())
+    return [c for c in nb["cells"] if kind is None or c["cell_type"] == kind]
+
+
+def source(cell: dict) -> str:
+    s = cell["source"]
+    return "".join(s) if isinstance(s, list) else s
+
+
+def documents() -> list[tuple[str, str]]:
+    """(name, MyST text) for every page and every notebook's markdown; ``double-backtick`` examples removed."""
+    docs = [(p.name, p.read_text()) for p in PAGES]
+    docs += [(p.name, "\n\n".join(source(c) for c in cells(p, "markdown"))) for p in NOTEBOOKS]
+    return [(name, re.sub(r"(?<!`)``(?!`).+?(?<!`)``(?!`)", "", text)) for name, text in docs]
+
+
+def python_source(cell: dict) -> str:
+    """A code cell's source with IPython magics and shell escapes removed, so that it parses."""
+    lines = [ln for ln in source(cell).splitlines() if not ln.lstrip().startswith(("%", "!"))]
+    return "\n".join(lines)
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "no chapters found"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_stored_without_outputs_in_normal_form(path):
+    nb = json.loads(path.read_text())
+    for c in nb["cells"]:
+        if c["cell_type"] == "code":
+            assert c["outputs"] == [] and c["execution_count"] is None, f"{path.name} is stored with outputs"
+    assert path.read_text() == nbtool.dumps(nbtool.normalize(nb)), f"run `python tools/nbtool.py normalize {path}`"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_setup_cell(path):
+    code = cells(path, "code")
+    first = code[0]
+    tags = first["metadata"].get("tags", [])
+    assert "setup" in tags and "hide-input" in tags, "the first code cell is the setup cell (tags setup, hide-input)"
+    src = source(first)
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    repo = config["repository"]["url"]
+    version = re.search(r'version = "([^"]+)"', (ROOT / "lib" / "pyproject.toml").read_text()).group(1)
+    assert f'REPO = "{repo}"' in src, "the Colab install must use the repository URL of _config.yml"
+    assert f"git+{{REPO}}@v{version}#subdirectory=lib" in src, "the Colab install must pin the book's release"
+    assert '"google.colab" in sys.modules' in src and 'find_spec("curvlab") is None' in src
+    assert "torch==" in src and "numpy==" in src, "Colab's torch and numpy must be pinned, never reinstalled"
+    assert f'curvlab.setup("{path.stem}")' in src, "setup() is called with the notebook's file stem"
+
+
+def _check_calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else ""
+            yield owner, name, node
+
+
+_INDEX_KEYWORDS = {"ddof", "axis", "dim", "ord"}  # integers that select, not tolerate
+
+
+def _literals(node: ast.AST) -> list:
+    skip = {id(kw.value) for n in ast.walk(node) if isinstance(n, ast.Call) for kw in n.keywords
+            if kw.arg in _INDEX_KEYWORDS}
+    skip |= {id(n.slice) for n in ast.walk(node) if isinstance(n, ast.Subscript)}
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, (int, float))
+            and not isinstance(n.value, bool) and id(n) not in skip]
+
+
+def literal_tolerances(code: str) -> list[str]:
+    """Numeric literals where a tolerance is computed: in Tolerance.* calls and in tol=/se= arguments."""
+    found = []
+    for owner, name, call in _check_calls(ast.parse(code)):
+        if owner == "Tolerance":
+            lits = [v for v in _literals(call)]
+            if lits:
+                found.append(f"Tolerance.{name}(...) contains numeric literal(s) {lits}")
+        if name in ("derived", "bound", "claim"):
+            for kw in call.keywords:
+                if kw.arg in ("tol", "se") and _literals(kw.value):
+                    found.append(f"{name}({kw.arg}=...) contains numeric literal(s) {_literals(kw.value)}")
+    return found
+
+
+def test_literal_tolerance_detector_catches_typed_tolerances():
+    assert literal_tolerances("checks.derived('x', measured=a, predicted=b, tol=Tolerance.finite_size(0.01, why='w'), foil=c)")
+    assert literal_tolerances("checks.claim('c', source='s', statistic='t', value=v, se=0.1, expect='>', threshold=0)")
+    assert literal_tolerances("tol = Tolerance.replicates(m, z=2)")
+    assert not literal_tolerances("checks.derived('x', measured=a, predicted=b, tol=Tolerance.replicates(m), foil=c)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_typed_tolerances_in_checks(path):
+    problems = []
+    for c in cells(path, "code"):
+        problems += literal_tolerances(python_source(c))
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_raw_plt_show_and_registered_methods(path):
+    from curvlab.plotting import METHODS
+
+    for c in cells(path, "code"):
+        tree = ast.parse(python_source(c))
+        for owner, name, call in _check_calls(tree):
+            assert not (owner == "plt" and name == "show"), "use curvlab.plotting.show(fig, alt=..., caption=...)"
+            if owner == "plotting" and name in ("plot", "band") and len(call.args) >= 4:
+                m = call.args[3]
+                if isinstance(m, ast.Constant):
+                    assert m.value in METHODS, f"method {m.value!r} is not registered"
+
+
+_PROOF_TYPES = "theorem|lemma|proposition|corollary|conjecture|claim|property|observation"
+_BLOCK = re.compile(r"(`{3,}|:{3,})\{prf:(" + _PROOF_TYPES + r")\}[^\n]*\n(.*?)\n\1", re.S)
+
+
+def test_theorem_blocks_carry_a_status():
+    seen = 0
+    for name, text in documents():
+        for m in _BLOCK.finditer(text):
+            seen += 1
+            body = m.group(3)
+            classes = re.findall(r":class:\s*([^\n]+)", body)
+            status = [c for c in " ".join(classes).split() if c.startswith("status-")]
+            assert len(status) == 1, f"{name}: a prf:{m.group(2)} block needs exactly one status class, got {status}"
+            assert status[0] in ("status-proved", "status-checked", "status-stated"), status
+            assert re.search(r":label:\s*\S+", body), f"{name}: a prf:{m.group(2)} block needs a label"
+            rest = text[m.end():]
+            if status[0] == "status-proved":
+                nxt = re.search(r"\{prf:(\w+)\}", rest)
+                assert nxt and nxt.group(1) == "proof", f"{name}: a 'proved here' block must be followed by its prf:proof"
+            if status[0] == "status-stated":
+                assert "cite" in body, f"{name}: a 'stated from a paper' block must cite the paper"
+            if status[0] == "status-checked":
+                assert "check" in body.lower(), f"{name}: a 'checked here' block must name its check"
+    assert seen > 0
+
+
+def test_one_bibliography_directive_and_footcites_elsewhere():
+    holders = [name for name, text in documents() if re.search(r"\{bibliography\}", text)]
+    assert holders == ["bibliography.md"], f"only book/bibliography.md may hold a bibliography directive: {holders}"
+    for name, text in documents():
+        if "{footcite" in text:
+            assert "{footbibliography}" in text, f"{name} uses footcite but has no footbibliography"
+        assert not re.search(r"\{cite(:[pt])?\}", text), f"{name}: cite with footcite, not cite (see conventions)"
+
+
+def test_cited_keys_exist():
+    import pybtex.database
+
+    keys = set(pybtex.database.parse_file(str(ROOT / "book" / "references.bib")).entries)
+    for name, text in documents():
+        for group in re.findall(r"\{footcite(?::[pt])?\}`([^`]+)`", text):
+            for key in group.split(","):
+                assert key.strip() in keys, f"{name} cites unknown key {key.strip()!r}"
+
+
+def test_gated_exercises_are_balanced():
+    for name, text in documents():
+        for kind in ("exercise", "solution"):
+            assert text.count("{" + kind + "-start}") == text.count("{" + kind + "-end}"), f"{name}: {kind} start/end"
+
+
+def test_every_notebook_is_in_the_toc_and_every_toc_file_exists():
+    toc = (ROOT / "_toc.yml").read_text()
+    files = re.findall(r"(?:file|root):\s*(\S+)", toc)
+    for f in files:
+        assert (ROOT / f"{f}.md").exists() or (ROOT / f"{f}.ipynb").exists(), f"_toc.yml names a missing file {f}"
+    for nb in NOTEBOOKS:
+        assert f"notebooks/{nb.stem}" in files, f"{nb.name} is not in _toc.yml"
+
+
+def test_macros_are_all_on_the_notation_page():
+    macros = yaml.safe_load((ROOT / "book" / "macros.yml").read_text())
+    notation = (ROOT / "book" / "notation.md").read_text()
+    missing = [m for m in macros if f"\\{m}" not in notation]
+    assert not missing, f"macros not documented on the notation page: {missing}"
+
+
+def _requirements_from_pyproject() -> set[str]:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "lib" / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in ("book", "lab", "test"):
+        reqs += project["optional-dependencies"][extra]
+    return {r.replace(" ", "") for r in reqs}
+
+
+def test_environment_yml_matches_pyproject():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    listed = {r.replace(" ", "") for r in pip if not r.startswith("-e")}
+    assert listed == _requirements_from_pyproject()
+    assert "-e ./lib" in pip
+    assert any(r.startswith("jupyter-book") and "<2" in r for r in listed)
+
+
+def test_readme_and_ci_use_the_same_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make book" in readme and "make test" in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, re.M), ".ci/run must call the README's test command"
+
+
+def test_makefile_never_downloads_a_cuda_torch():
+    make = (ROOT / "Makefile").read_text()
+    assert "torch==2.13.0" in make
+    setup = (ROOT / "tools" / "setup_env.py").read_text()
+    assert 'find_spec("torch") is None' in setup, "an installed torch must be kept"
+
+
+def test_nbtool_slide_rules():
+    md = lambda s, tags=(): {"cell_type": "markdown", "metadata": {"tags": list(tags)}, "source": s}
+    assert nbtool.slide_type(md("# Title")) == "slide"
+    assert nbtool.slide_type(md("## Section")) == "slide"
+    assert nbtool.slide_type(md("### Sub")) == "subslide"
+    assert nbtool.slide_type(md("text")) == "-"
+    assert nbtool.slide_type(md("text", ["fragment"])) == "fragment"
+    assert nbtool.slide_type({"cell_type": "code", "metadata": {"tags": ["setup"]}, "source": ""}) == "skip"
+
+
+def test_nbtool_check_flags_outputs(tmp_path):
+    nb = json.loads(NOTEBOOKS[0].read_text())
+    nb["cells"][1]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "x"}]
+    bad = tmp_path / "bad.ipynb"
+    bad.write_text(json.dumps(nb))
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "nbtool.py"), "check", str(bad)], capture_output=True)
+    assert res.returncode == 1
