@@ -185,6 +185,8 @@ def _config_inited(app: Sphinx, config: Any) -> None:
     mj["tex"] = tex
     config.mathjax3_config = mj
 
+    _bundle_mathjax(config)
+
     inv_dir = ROOT / "_build" / "inventories"
     mapping = dict(config.intersphinx_mapping or {})
     for project, (base, entries) in INVENTORIES.items():
@@ -192,6 +194,25 @@ def _config_inited(app: Sphinx, config: Any) -> None:
         write_inventory(path, project, entries)
         mapping[project] = (base, str(path))
     config.intersphinx_mapping = mapping
+
+
+def _bundle_mathjax(config: Any) -> None:
+    """Serve MathJax from the book itself (the PyPI package django-static-mathjax ships MathJax 3), so pages
+    render their mathematics offline: in a lecture hall, a train, or a headless screenshot."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("mathjax")
+    src = Path(next(iter(spec.submodule_search_locations))) / "static" / "mathjax" / "es5" / "tex-svg-full.js" if spec else None
+    if src is None or not src.exists():
+        LOGGER.info("MathJax package not found: pages will load MathJax from its CDN")
+        return
+    dest = ROOT / "_build" / "static-mathjax" / "mathjax"
+    dest.mkdir(parents=True, exist_ok=True)
+    if not (dest / src.name).exists() or (dest / src.name).stat().st_size != src.stat().st_size:
+        shutil.copy2(src, dest / src.name)
+    config.html_static_path = [*config.html_static_path, str(dest.parent)]
+    config.mathjax_path = f"mathjax/{src.name}"
 
 
 # --------------------------------------------------------------------------------------------------------
