@@ -10,22 +10,24 @@ With the Jacobian :math:`J = \partial f / \partial \theta \in \mathbb{R}^{n \tim
 
 .. math::
 
-    G = c\, J^\top J \in \mathbb{R}^{p \times p}
-    \qquad\text{(Gauss-Newton matrix, } c = \texttt{scale}\text{; e.g. } c = 1/n \text{ for } G_O\text{)},
+    H_{\mathrm{GN}} = c\, J^\top J \in \mathbb{R}^{p \times p}
+    \qquad\text{(Gauss-Newton matrix, } c = \texttt{scale}\text{; the book's } H_{\mathrm{GN}} \text{ has } c = 1/n\text{)},
 
     K = c\, J J^\top \in \mathbb{R}^{n \times n}
-    \qquad\text{(kernel / empirical NTK; same nonzero spectrum as } G\text{)},
+    \qquad\text{(kernel / empirical NTK; same nonzero spectrum as } H_{\mathrm{GN}}\text{)},
 
-    G v = c\, J^\top (J v)
+    H_{\mathrm{GN}} v = c\, J^\top (J v)
     \qquad\text{(one JVP and one VJP, } J \text{ never formed)}.
 
 The damped Gauss-Newton direction has two equal forms (push-through / Woodbury identity):
 
 .. math::
 
-    \Phi = (J^\top J + \varepsilon I_p)^{-1} J^\top r = J^\top (J J^\top + \varepsilon I_n)^{-1} r,
+    \Delta_{\mathrm{GN}} = (J^\top J + \lambda_{\mathrm{GN}} I_p)^{-1} J^\top r
+    = J^\top (J J^\top + \lambda_{\mathrm{GN}} I_n)^{-1} r,
 
-a :math:`p \times p` solve (:func:`damped_gn_step`) or an :math:`n \times n` solve (:func:`kernel_gn_step`,
+(the damping :math:`\lambda_{\mathrm{GN}}` is the ``eps`` argument, in the units of the eigenvalues of
+:math:`K = JJ^\top`; see the notation page), a :math:`p \times p` solve (:func:`damped_gn_step`) or an :math:`n \times n` solve (:func:`kernel_gn_step`,
 :func:`kernel_gn_step_fn`), cheap when :math:`p \gg n` (Arbel, Menegaux & Wolinski 2023, eq. (4)).
 
 :func:`condition_number` reports :math:`\kappa = \lambda_{\max} / \lambda_r` at a numerical (or forced,
@@ -151,7 +153,7 @@ def jacobian(fn: Model, theta) -> torch.Tensor:
 
 
 def gn_matrix(fn: Model, theta, scale: float = 1.0) -> torch.Tensor:
-    r"""Dense Gauss-Newton matrix :math:`G = c\, J^\top J \in \mathbb{R}^{p \times p}` (``c = scale > 0``).
+    r"""Dense Gauss-Newton matrix :math:`H_{\mathrm{GN}} = c\, J^\top J \in \mathbb{R}^{p \times p}` (``c = scale > 0``).
 
     The dense REFERENCE every structured product is tested against; memory :math:`O(p^2)`.
     """
@@ -161,7 +163,7 @@ def gn_matrix(fn: Model, theta, scale: float = 1.0) -> torch.Tensor:
 
 
 def kernel_matrix(fn: Model, theta, scale: float = 1.0) -> torch.Tensor:
-    r"""Kernel (empirical NTK) :math:`K = c\, J J^\top \in \mathbb{R}^{n \times n}`, column by column, no :math:`G`.
+    r"""Kernel (empirical NTK) :math:`K = c\, J J^\top \in \mathbb{R}^{n \times n}`, column by column, no :math:`H_{\mathrm{GN}}`.
 
     Column :math:`i` is :math:`J (J^\top e_i)`: a VJP then a JVP, vectorised over :math:`i` with ``vmap``.
     Memory :math:`O(n p)` for the batch of VJPs; the :math:`p \times p` matrix never exists.
@@ -302,7 +304,7 @@ def _spd_solve(A: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def damped_gn_step(J, r, eps: float) -> torch.Tensor:
-    r"""Parameter-space damped GN direction :math:`(J^\top J + \varepsilon I_p)^{-1} J^\top r` (a ``p x p`` solve).
+    r"""Parameter-space damped GN direction :math:`(J^\top J + \lambda_{\mathrm{GN}} I_p)^{-1} J^\top r` (a ``p x p`` solve).
 
     ``J: (..., n, p)``, ``r: (..., n)``, ``eps >= 0``; ``eps = 0`` only if :math:`J^\top J` is invertible
     (:math:`p \le n`, full column rank). Cost :math:`O(n p^2 + p^3)`. Returns ``(..., p)``.
@@ -316,10 +318,10 @@ def damped_gn_step(J, r, eps: float) -> torch.Tensor:
 
 
 def kernel_gn_step(J, r, eps: float) -> torch.Tensor:
-    r"""Kernel-form damped GN direction :math:`J^\top (J J^\top + \varepsilon I_n)^{-1} r` (an ``n x n`` solve).
+    r"""Kernel-form damped GN direction :math:`J^\top (J J^\top + \lambda_{\mathrm{GN}} I_n)^{-1} r` (an ``n x n`` solve).
 
     Equal to :func:`damped_gn_step` by the push-through identity
-    :math:`(J^\top J + \varepsilon I)^{-1} J^\top = J^\top (J J^\top + \varepsilon I)^{-1}`; cost
+    :math:`(J^\top J + \lambda_{\mathrm{GN}} I)^{-1} J^\top = J^\top (J J^\top + \lambda_{\mathrm{GN}} I)^{-1}`; cost
     :math:`O(n^2 p + n^3)`, cheap when :math:`p \gg n`. ``eps = 0`` only if :math:`J J^\top` is invertible.
     """
     J, r, eps = _check_step_args(J, r, eps)
@@ -331,7 +333,7 @@ def kernel_gn_step(J, r, eps: float) -> torch.Tensor:
 
 
 def kernel_gn_step_fn(fn: Model, theta, r, eps: float) -> torch.Tensor:
-    r"""Matrix-free kernel GN direction :math:`J^\top (K + \varepsilon I_n)^{-1} r`, with :math:`K = J J^\top`.
+    r"""Matrix-free kernel GN direction :math:`J^\top (K + \lambda_{\mathrm{GN}} I_n)^{-1} r`, with :math:`K = J J^\top`.
 
     Forms only the ``n x n`` kernel (VJPs then JVPs under ``vmap``) and applies :math:`J^\top` by one VJP:
     neither :math:`J` as a matrix nor the ``p x p`` matrix is formed. ``eps = 0`` only if :math:`K` is invertible.

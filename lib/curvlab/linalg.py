@@ -171,11 +171,11 @@ def _row_basis(name: str, A: torch.Tensor) -> torch.Tensor:
 
 
 def principal_angles(A, B) -> torch.Tensor:
-    r"""Principal angles :math:`0 \le \theta_1 \le \dots \le \theta_r \le \pi/2` between the ROW spaces of A and B.
+    r"""Principal angles :math:`0 \le \psi_1 \le \dots \le \psi_r \le \pi/2` between the ROW spaces of A and B.
 
     Rows are the convention of the book (a layer :math:`G \in \mathbb{R}^{k \times d}` learns the subspace
     :math:`\operatorname{row}(G)`). With orthonormal bases :math:`Q_A, Q_B` of the row spaces,
-    :math:`\cos\theta_i = \sigma_i(Q_A^\top Q_B)` and :math:`\sin\theta_i = \sigma_{r+1-i}((I - Q_A Q_A^\top) Q_B)`;
+    :math:`\cos\psi_i = \sigma_i(Q_A^\top Q_B)` and :math:`\sin\psi_i = \sigma_{r+1-i}((I - Q_A Q_A^\top) Q_B)`;
     the angle is :math:`\operatorname{atan2}(\sin, \cos)`, accurate for small and large angles alike.
     ``A: (..., k_A, d)``, ``B: (..., k_B, d)`` of full row rank; returns float64 ``(..., min(k_A, k_B))``.
     """
@@ -192,11 +192,11 @@ def principal_angles(A, B) -> torch.Tensor:
 
 
 def sin_theta_distance(A, B, norm: str = "spectral") -> torch.Tensor:
-    r"""Sin-theta distance between row spaces: :math:`\|(I - Q_B Q_B^\top) Q_A\|`, i.e. :math:`\|\sin\Theta\|`.
+    r"""Sin-theta distance between row spaces: :math:`\|(I - Q_B Q_B^\top) Q_A\|`, i.e. :math:`\|\sin\Psi\|`.
 
-    ``norm="spectral"`` (default) gives :math:`\sin\theta_{\max}`, the book's subspace distance
-    :math:`\operatorname{dist}(G, G^*)` (chapter on linear representation learning); ``norm="fro"`` gives
-    :math:`(\sum_i \sin^2\theta_i)^{1/2}`. Batched like :func:`principal_angles`; float64.
+    ``norm="spectral"`` (default) gives :math:`\sin\psi_{\max}`, the book's subspace distance
+    :math:`\operatorname{dist}(G, G_\star)` (chapter on linear representation learning); ``norm="fro"`` gives
+    :math:`(\sum_i \sin^2\psi_i)^{1/2}`. Batched like :func:`principal_angles`; float64.
     """
     norm = check_choice("norm", norm, ("spectral", "fro"))
     s = torch.sin(principal_angles(A, B))
