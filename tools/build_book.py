@@ -133,6 +133,10 @@ def main() -> int:
     t0 = time.time()
     generate_conf()
     os.environ.update(curvlab_book.build_environment(os.environ.get("CURVLAB_PROFILE", "standard")))
+    # Kernels run --jobs at a time: give each its share of the cores, so BLAS threads do not oversubscribe them.
+    threads = str(max(1, (os.cpu_count() or 1) // max(1, args.jobs)))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, threads)
     profile = os.environ["CURVLAB_PROFILE"]
     record = pre_execute(args.jobs, args.force, args.timeout)
     t1 = time.time()
