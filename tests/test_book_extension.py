@@ -80,5 +80,7 @@ def test_ledger_rows_keep_claims_and_derived_apart():
     }
     claims = curvlab_book.ledger_rows(records, ("claim",))
     derived = curvlab_book.ledger_rows(records, ("derived", "bound", "identity"))
-    assert [r[1] for r in claims] == ["c"] and [r[1] for r in derived] == ["d", "i"]
-    assert derived[1][7] == "exact simplification"
+    assert [r["check"] for r in claims] == ["c"] and [r["check"] for r in derived] == ["d", "i"]
+    assert derived[1]["why"] == "exact simplification" and derived[1]["tolerance"] == "exact"
+    html = curvlab_book.ledger_html(derived)
+    assert html.count("<tr>") == 3 and "<strong>d</strong>" in html

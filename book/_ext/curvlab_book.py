@@ -273,25 +273,52 @@ def _table(header: list[str], rows: list[list[str]], classes: list[str]) -> node
     return table
 
 
-_LEDGER_COLUMNS = ["chapter", "check", "kind", "source", "statistic", "measured", "prediction", "tolerance (why)", "foil / effect", "status"]
+_ICONS = {"passed": "✔", "reproduced": "✔", "failed": "✘", "not reproduced": "✘", "inconclusive": "?",
+          "rejected as intended": "⊘"}
 
 
-def ledger_rows(records: dict[str, list[dict[str, Any]]], kinds: tuple[str, ...]) -> list[list[str]]:
+def ledger_rows(records: dict[str, list[dict[str, Any]]], kinds: tuple[str, ...]) -> list[dict[str, str]]:
+    """One dict per check of the given kinds: the cells of the ledger table, as plain text."""
     rows = []
     for chapter, recs in records.items():
         for r in recs:
             if r["kind"] not in kinds:
                 continue
-            tol = "" if r.get("tolerance") is None else f"{r['tolerance']:.3g} ({r.get('tolerance_why', '')})"
+            tol, why = ("", "") if r.get("tolerance") is None else (f"{r['tolerance']:.3g}", r.get("tolerance_why", ""))
             if r["kind"] == "identity":
-                tol = r.get("route", "")
-            foil = r.get("foil", "")
-            if r.get("effect") is not None:
-                foil += f"; effect {r['effect']:.3g}"
-            status = r["status"] + (" — underpowered" if r.get("underpowered") else "")
-            rows.append([chapter, r["name"], r["kind"], r["source"], r.get("statistic", ""), r.get("measured", ""),
-                         r.get("predicted", ""), tol, foil, status])
+                tol, why = "exact" if r.get("route", "").startswith("exact simpl") else "probabilistic", r.get("route", "")
+            effect = "" if r.get("effect") is None else f"effect {r['effect']:.3g}"
+            status = r["status"] + (" (underpowered)" if r.get("underpowered") else "")
+            where = " · ".join(x for x in (chapter, r.get("section", ""), r["kind"], r["source"]) if x)
+            rows.append({"status": status, "icon": _ICONS.get(r["status"], ""), "check": r["name"], "where": where,
+                         "statistic": r.get("statistic", ""), "measured": r.get("measured", ""),
+                         "prediction": r.get("predicted", ""), "tolerance": tol, "why": why,
+                         "foil": r.get("foil", ""), "effect": effect, "note": r.get("note", "")})
     return rows
+
+
+def ledger_html(rows: list[dict[str, str]]) -> str:
+    """A compact HTML table: main values in the cells, explanations in small text beneath them."""
+    from html import escape
+
+    def e(text: str) -> str:
+        return escape(text, quote=False)
+
+    if not rows:
+        return "<p><em>No checks of this kind in this build.</em></p>"
+    head = "".join(f"<th>{h}</th>" for h in ("status", "check", "statistic", "measured", "prediction", "tolerance", "foil"))
+    body = []
+    for r in rows:
+        small = lambda t: f'<br/><span class="curvlab-small">{e(t)}</span>' if t else ""  # noqa: E731
+        body.append(
+            "<tr>"
+            f'<td class="curvlab-status-{e(r["status"].split(" (")[0].replace(" ", "-"))}">{r["icon"]} {e(r["status"])}</td>'
+            f"<td><strong>{e(r['check'])}</strong>{small(r['where'])}</td>"
+            f"<td>{e(r['statistic'])}</td><td>{e(r['measured'])}</td><td>{e(r['prediction'])}</td>"
+            f"<td>{e(r['tolerance'])}{small(r['why'])}</td><td>{e(r['foil'])}{small(r['effect'])}</td>"
+            "</tr>"
+        )
+    return f'<table class="curvlab-ledger-table"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
 class CurvlabPostTransform(SphinxPostTransform):
@@ -301,7 +328,7 @@ class CurvlabPostTransform(SphinxPostTransform):
         app = self.app
         records = _load_records(app)
         for node in list(self.document.findall(LedgerNode)):
-            container = nodes.container(classes=["curvlab-ledger"])
+            container = nodes.container(classes=["curvlab-ledger", "full-width"])
             profile = app.curvlab_profile  # type: ignore[attr-defined]
             n_claims = sum(r["kind"] == "claim" for recs in records.values() for r in recs)
             n_derived = sum(r["kind"] != "claim" for recs in records.values() for r in recs)
@@ -309,11 +336,10 @@ class CurvlabPostTransform(SphinxPostTransform):
                 text=f"Profile of this build: {profile}. {n_derived} derived checks (asserted; the build fails if one "
                 f"misses) and {n_claims} paper claims (ledgered, never failing the build)."
             )
-            sec1 = nodes.rubric(text="Paper claims")
-            container += sec1
-            container += _table(_LEDGER_COLUMNS, ledger_rows(records, ("claim",)), ["curvlab-ledger-claims"])
+            container += nodes.rubric(text="Paper claims")
+            container += nodes.raw("", ledger_html(ledger_rows(records, ("claim",))), format="html")
             container += nodes.rubric(text="Derived predictions")
-            container += _table(_LEDGER_COLUMNS, ledger_rows(records, ("derived", "bound", "identity")), ["curvlab-ledger-derived"])
+            container += nodes.raw("", ledger_html(ledger_rows(records, ("derived", "bound", "identity"))), format="html")
             node.replace_self(container)
         for node in list(self.document.findall(StatusNode)):
             node.replace_self(self._status(records))
