@@ -338,11 +338,22 @@ def derived(
         effect = float(np.max(np.abs(p - f)))
     except ValueError as exc:
         raise ValueError(f"measured, predicted and foil must broadcast together: {exc}") from exc
+    _settle("derived", name, source, statistic or "max |measured − predicted|", (m, p, f), tol, err, foil_err,
+            effect, f"error {err:.3g}; foil error {foil_err:.3g}",
+            f"{name}: |measured − predicted| = {err:.4g} > tol = {tol.value:.4g} [{tol.why}]",
+            f"{name}: the foil also passes (|measured − foil| = {foil_err:.4g} ≤ tol = {tol.value:.4g}); "
+            "this check could not have failed, so it is no evidence")
+
+
+def _settle(kind: str, name: str, source: str, statistic: str, values: tuple, tol: Tolerance, err: float,
+            foil_err: float, effect: float, note: str, fail_msg: str, foil_msg: str) -> None:
+    """Record a derived or bound check, then raise if the prediction missed or the foil was not rejected."""
     ok, foil_ok = err <= tol.value, foil_err <= tol.value
-    rec = CheckRecord(
-        kind="derived",
+    m, p, f = values
+    _record(CheckRecord(
+        kind=kind,
         status="passed" if ok and not foil_ok else "failed",
-        statistic=statistic or "max |measured − predicted|",
+        statistic=statistic,
         measured=_fmt(m),
         predicted=_fmt(p),
         foil=_fmt(f),
@@ -350,17 +361,13 @@ def derived(
         tolerance_why=tol.why,
         effect=effect,
         underpowered=tol.value > UNDERPOWERED_RATIO * effect,
-        note=f"error {err:.3g}; foil error {foil_err:.3g}",
+        note=note,
         **_common(name, source),
-    )
-    _record(rec)
+    ))
     if not ok:
-        raise CheckFailed(f"{name}: |measured − predicted| = {err:.4g} > tol = {tol.value:.4g} [{tol.why}]")
+        raise CheckFailed(fail_msg)
     if foil_ok:
-        raise CheckError(
-            f"{name}: the foil also passes (|measured − foil| = {foil_err:.4g} ≤ tol = {tol.value:.4g}); "
-            "this check could not have failed, so it is no evidence"
-        )
+        raise CheckError(foil_msg)
 
 
 def bound(
@@ -385,25 +392,10 @@ def bound(
         foil_slack = float(np.max(m - f))
     except ValueError as exc:
         raise ValueError(f"measured, upper and foil must broadcast together: {exc}") from exc
-    ok, foil_ok = slack <= tol.value, foil_slack <= tol.value
-    rec = CheckRecord(
-        kind="bound",
-        status="passed" if ok and not foil_ok else "failed",
-        statistic=statistic or "max (measured − bound)",
-        measured=_fmt(m),
-        predicted=_fmt(u),
-        foil=_fmt(f),
-        tolerance=tol.value,
-        tolerance_why=tol.why,
-        effect=float(np.max(np.abs(u - f))),
-        note=f"worst slack {slack:.3g}; foil worst slack {foil_slack:.3g}",
-        **_common(name, source),
-    )
-    _record(rec)
-    if not ok:
-        raise CheckFailed(f"{name}: the bound is violated by {slack:.4g} > tol = {tol.value:.4g} [{tol.why}]")
-    if foil_ok:
-        raise CheckError(f"{name}: the foil bound holds too (worst slack {foil_slack:.4g}); the check is no evidence")
+    _settle("bound", name, source, statistic or "max (measured − bound)", (m, u, f), tol, slack, foil_slack,
+            float(np.max(np.abs(u - f))), f"worst slack {slack:.3g}; foil worst slack {foil_slack:.3g}",
+            f"{name}: the bound is violated by {slack:.4g} > tol = {tol.value:.4g} [{tol.why}]",
+            f"{name}: the foil bound holds too (worst slack {foil_slack:.4g}); the check is no evidence")
 
 
 # --------------------------------------------------------------------------------------------------------
