@@ -109,6 +109,7 @@ METHODS: dict[str, MethodStyle] = {
     "leaky-ReLU": _m("leaky ReLU", "orange", "-.", "^", "architecture"),
     # generic
     "theory": _m("theory", "black", "--", "", "theory"),
+    "foil": _m("foil (wrong prediction)", "vermillion", ":", "x", "theory"),
     "simulation": _m("simulation", "blue", "none", "o", "measurement"),
     "data": _m("data", "grey", "none", ".", "measurement"),
 }
