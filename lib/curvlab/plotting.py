@@ -96,8 +96,8 @@ METHODS: dict[str, MethodStyle] = {
     "Hessian": _m("Hessian", "black", "-", "*", "curvature"),
     "Fisher": _m("Fisher (true)", "purple", "--", "s", "curvature"),
     "empirical-Fisher": _m("empirical Fisher", "orange", ":", "^", "curvature"),
-    "NTK": _m("NTK scaling (1/√M)", "vermillion", "--", "o", "scaling"),
-    "mean-field": _m("mean-field scaling (1/M)", "blue", "-", "p", "scaling"),
+    "NTK": _m("NTK scaling (1/√m)", "vermillion", "--", "o", "scaling"),
+    "mean-field": _m("mean-field scaling (1/m)", "blue", "-", "p", "scaling"),
     "muP": _m("µP", "green", "-.", "^", "scaling"),
     # Part III — conditioning
     "kappa": _m("κ (measured)", "black", "-", "o", "measurement"),
