@@ -84,26 +84,41 @@ def _check_calls(tree: ast.AST):
 _INDEX_KEYWORDS = {"ddof", "axis", "dim", "ord"}  # integers that select, not tolerate
 
 
-def _literals(node: ast.AST) -> list:
-    skip = {id(kw.value) for n in ast.walk(node) if isinstance(n, ast.Call) for kw in n.keywords
-            if kw.arg in _INDEX_KEYWORDS}
-    skip |= {id(n.slice) for n in ast.walk(node) if isinstance(n, ast.Subscript)}
-    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, (int, float))
-            and not isinstance(n.value, bool) and id(n) not in skip]
+def _numbers(node: ast.AST, *, ints: bool) -> list:
+    """Numeric literals under ``node`` (floats always, ints when ``ints``), ignoring subscripts and index keywords."""
+    skip: set[int] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Subscript):
+            skip |= {id(x) for x in ast.walk(n.slice)}
+        if isinstance(n, ast.Call):
+            for kw in n.keywords:
+                if kw.arg in _INDEX_KEYWORDS:
+                    skip |= {id(x) for x in ast.walk(kw.value)}
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and id(n) not in skip
+            and isinstance(n.value, (int, float)) and not isinstance(n.value, bool)
+            and (ints or isinstance(n.value, float))]
 
 
 def literal_tolerances(code: str) -> list[str]:
-    """Numeric literals where a tolerance is computed: in Tolerance.* calls and in tol=/se= arguments."""
+    """Typed numbers where a tolerance must be computed.
+
+    * ``Tolerance.replicates/standard_error/finite_size``: no numeric literal in what they are given (``z`` too);
+    * ``Tolerance.float_error``: integer operation counts are allowed, floats are not;
+    * ``tol=`` / ``se=`` of a check: no float literal, and not a bare number.
+    """
     found = []
     for owner, name, call in _check_calls(ast.parse(code)):
         if owner == "Tolerance":
-            lits = [v for v in _literals(call)]
+            lits = _numbers(call, ints=name != "float_error")
             if lits:
                 found.append(f"Tolerance.{name}(...) contains numeric literal(s) {lits}")
         if name in ("derived", "bound", "claim"):
             for kw in call.keywords:
-                if kw.arg in ("tol", "se") and _literals(kw.value):
-                    found.append(f"{name}({kw.arg}=...) contains numeric literal(s) {_literals(kw.value)}")
+                if kw.arg in ("tol", "se"):
+                    bare = isinstance(kw.value, ast.Constant) or (
+                        isinstance(kw.value, ast.UnaryOp) and isinstance(kw.value.operand, ast.Constant))
+                    if bare or _numbers(kw.value, ints=False):
+                        found.append(f"{name}({kw.arg}=...) is or contains a typed number")
     return found
 
 
@@ -111,6 +126,10 @@ def test_literal_tolerance_detector_catches_typed_tolerances():
     assert literal_tolerances("checks.derived('x', measured=a, predicted=b, tol=Tolerance.finite_size(0.01, why='w'), foil=c)")
     assert literal_tolerances("checks.claim('c', source='s', statistic='t', value=v, se=0.1, expect='>', threshold=0)")
     assert literal_tolerances("tol = Tolerance.replicates(m, z=2)")
+    assert literal_tolerances("tol = Tolerance.finite_size(x / 100, why='w')")
+    assert literal_tolerances("checks.claim('c', source='s', statistic='t', value=v, se=1, expect='>', threshold=0)")
+    assert not literal_tolerances("tol = Tolerance.float_error(x, ops=2 * n, cond=c[-1])")
+    assert not literal_tolerances("tol = Tolerance.finite_size(abs(s[-2] - s[-1]), why='Richardson')")
     assert not literal_tolerances("checks.derived('x', measured=a, predicted=b, tol=Tolerance.replicates(m), foil=c)")
 
 

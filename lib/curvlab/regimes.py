@@ -46,6 +46,7 @@ import torch
 from . import config, linalg
 from .linalg import default_rtol
 from ._validate import as_tensor, check_choice, check_finite, check_int, check_nonnegative, check_positive
+from .plotting import style as plotting_style
 from .progress import progress
 
 __all__ = [
@@ -111,7 +112,7 @@ ACTIVATIONS = {
 
 
 def activation(name: str):
-    r"""The pair :math:`(\phi, \phi')` for ``name`` in :data:`ACTIVATIONS` (``'tanh'``, ``'silu'``, ``'relu'``)."""
+    r"""The pair :math:`(\phi, \phi')` for ``name`` in ``ACTIVATIONS`` (``'tanh'``, ``'silu'``, ``'relu'``)."""
     check_choice("act", name, tuple(ACTIVATIONS))
     return ACTIVATIONS[name]
 
@@ -181,14 +182,14 @@ class Parametrisation:
                 (self.a_out + self.b_out, self.c_out + 2 * self.a_out))
 
 
-#: NTK parametrisation (Jacot et al. 2018): output multiplier m^{-1/2}, O(1) initialisation, step eta0.
+#: The NTK parametrisation (Jacot et al. 2018) — output multiplier m^{-1/2}, O(1) initialisation, step eta0.
 NTK = Parametrisation("NTK", a_hidden=0.0, a_out=0.5, b_hidden=0.0, b_out=0.0, c_hidden=0.0, c_out=0.0)
-#: Mean-field parametrisation (Mei et al. 2018; Chizat & Bach 2018): output multiplier 1/m, step eta0 * m.
+#: The mean-field parametrisation (Mei et al. 2018, Chizat & Bach 2018) — output multiplier 1/m, step eta0 * m.
 MEAN_FIELD = Parametrisation("mean-field", a_hidden=0.0, a_out=1.0, b_hidden=0.0, b_out=0.0, c_hidden=-1.0, c_out=-1.0)
-#: µP in the per-layer-step form: no multipliers, output weights initialised with std sigma_v/m, step
+#: µP in the per-layer-step form — no multipliers, output weights initialised with std sigma_v/m, step
 #: eta0 * m on (W, b) and eta0 / m on v. Same invariants as MEAN_FIELD.
 MUP = Parametrisation("muP", a_hidden=0.0, a_out=0.0, b_hidden=0.0, b_out=1.0, c_hidden=-1.0, c_out=1.0)
-#: µP in Yang & Hu's abc form with one global step size (a = (-1/2, 1/2), b = (1/2, 1/2), c = 0).
+#: µP in Yang & Hu's abc form with one global step size, a = (-1/2, 1/2), b = (1/2, 1/2), c = 0.
 MUP_ABC = Parametrisation("muP-abc", a_hidden=-0.5, a_out=0.5, b_hidden=0.5, b_out=0.5, c_hidden=0.0, c_out=0.0)
 
 PARAMETRISATIONS = {p.name: p for p in (NTK, MEAN_FIELD, MUP, MUP_ABC)}
@@ -911,8 +912,8 @@ def summarise(frame, by: Sequence[str] = ("method", "m")):
     return stats.reset_index()
 
 
-#: Legend labels in the book's notation (the registry's defaults for these methods write the paper's M).
-LABELS = {"NTK": "NTK scaling (1/√m)", "mean-field": "mean-field scaling (1/m)", "muP": "µP"}
+#: Legend labels of the three scalings, taken from the method registry.
+LABELS = {name: plotting_style(name).label for name in ("NTK", "mean-field", "muP")}
 
 
 def plot_metric(ax, stats, column: str, methods: Sequence[str], *, x: str = "m", band: bool = True,
