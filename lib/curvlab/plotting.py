@@ -102,6 +102,8 @@ METHODS: dict[str, MethodStyle] = {
     # Part III — conditioning
     "kappa": _m("κ (measured)", "black", "-", "o", "measurement"),
     "bound": _m("bound (ratio of sums)", "blue", "--", "s", "theory"),
+    "bound-sigma": _m("bound (Σ̂ inside)", "green", "-.", "D", "theory"),
+    "bound-pseudo": _m("pseudo-σ_min formula (wrong)", "grey", "-.", "x", "theory"),
     "bound-loose": _m("loose bound (max)", "vermillion", ":", "^", "theory"),
     "MP": _m("Marchenko–Pastur", "purple", ":", "P", "theory"),
     "linear": _m("linear", "black", "--", "o", "architecture"),
