@@ -1,0 +1,224 @@
+"""Condition number of the Gauss-Newton matrix of deep linear networks: three routes side by side (Part III).
+
+The quantity: kappa(H_GN) = lambda_max / lambda_r at the theoretical rank r = q(d + d_y - q), for a deep linear network
+with input dimension d, output dimension d_y, L layers of width m, on n = d whitened samples (X^T X / n = I).
+
+``gn_conditioning_routes`` (where the dense route runs, p up to about 4e3, d_y d <= 640):
+    ``dense``    the paper's route: the n d_y x p Jacobian by torch.func, H_GN = J^T J / n, eigvalsh (p x p) — baseline;
+    ``reduced``  curvlab.deep_linear.gn_condition: QR-accumulated layer products, then eigvalsh of the
+                 d_y d x d_y d reduced matrix; cost ~ L m^2 (d + d_y) + (d_y d)^3;
+    ``lanczos``  matrix-free: scipy ``eigsh`` (ARPACK) for lambda_max on the p x p GN operator (JVP + VJP) and for
+                 lambda_min on the n d_y x n d_y kernel operator J J^T / n, which is nonsingular here because
+                 n = d makes n d_y equal to the rank d_y d. Lanczos for the smallest eigenvalue converges slowly when
+                 kappa is large and may not converge at all within ``LANCZOS_MAXITER``: such runs are reported.
+``gn_conditioning_scaling`` (reduced route only, up to 10^7 parameters at d_y d = 640): ``reduced`` against
+    ``reduced_naive`` (plain products W_{L:l+1}, W_{l-1:1}, cost ~ L m^3), with a fitted complexity model
+    t ~ c1 L m^2 (d + d_y) + c2 (d_y d)^3.
+``gn_conditioning_mnist`` (full run only): the MNIST-sized case d = 784, d_y = 10 (d_y d = 7840), one timed call of
+    the reduced route; the dense route (p about 1.8e6) is out of reach.
+
+Agreement (relative difference of kappa between routes) and the complexity fit are written to
+``results/gn_conditioning_agreement.{json,md}``. Run ``python benchmarks/bench_gn_conditioning.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import RESULTS_DIR, compare, ratio_table  # noqa: E402
+
+from curvlab import config  # noqa: E402
+from curvlab import curvature as cv  # noqa: E402
+from curvlab import deep_linear as dl  # noqa: E402
+
+LANCZOS_TOL = 1e-10
+LANCZOS_MAXITER = 3000
+
+
+def problem(d: int, d_y: int, L: int, m: int, seed: int = 0, dense: bool = True) -> dict:
+    """Weights, whitened data (n = d samples, X^T X / n = I) and, if ``dense``, the torch.func model."""
+    dev = config.device()
+    gen = torch.Generator().manual_seed(seed)
+    Ws = [W.to(dev) for W in dl.init_weights(d, [m] * (L - 1), d_y, generator=gen)]
+    Q = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0]
+    X = (math.sqrt(d) * Q).to(dev)
+    state = {"Ws": Ws, "X": X, "rank": dl.rank_gn(d, [m] * (L - 1), d_y), "d": d, "d_y": d_y, "L": L, "m": m,
+             "p": sum(W.numel() for W in Ws)}
+    if dense:
+        state["fn"] = dl.flat_model(X, [tuple(W.shape) for W in Ws])
+        state["theta"] = dl.theta_of(Ws)
+    return state
+
+
+def _keep(s: dict, name: str, value) -> float:
+    """Remember the latest result of a route in its state (the harness discards return values)."""
+    s.setdefault("results", {})[name] = value
+    return value
+
+
+def kappa_dense(s: dict) -> float:
+    """The paper's route: materialise H_GN = J^T J / n and eigendecompose it."""
+    J = cv.jacobian(s["fn"], s["theta"])
+    lam = torch.linalg.eigvalsh(J.T @ J / s["X"].shape[0]).flip(0)
+    return _keep(s, "dense", float(lam[0] / lam[s["rank"] - 1]))
+
+
+def kappa_reduced(s: dict) -> float:
+    return _keep(s, "reduced", float(dl.gn_condition(s["Ws"], rank=s["rank"]).kappa))
+
+
+def kappa_reduced_naive(s: dict) -> float:
+    lam = torch.linalg.eigvalsh(dl.gn_reduced_naive(s["Ws"])).flip(0)
+    return _keep(s, "reduced_naive", float(lam[0] / lam[s["rank"] - 1]))
+
+
+def kappa_lanczos(s: dict) -> tuple[float, bool]:
+    """lambda_max of the p x p GN operator and lambda_min of the n d_y x n d_y kernel operator, by ARPACK."""
+    from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
+
+    fn, theta, n = s["fn"], s["theta"], s["X"].shape[0]
+    p, N = theta.numel(), n * s["d_y"]
+    _, pullback = torch.func.vjp(fn, theta)
+
+    def gv(v):
+        u = torch.as_tensor(np.asarray(v).reshape(-1), dtype=theta.dtype, device=theta.device)
+        return (pullback(torch.func.jvp(fn, (theta,), (u,))[1])[0] / n).cpu().numpy()
+
+    def kv(v):
+        u = torch.as_tensor(np.asarray(v).reshape(-1), dtype=theta.dtype, device=theta.device)
+        return (torch.func.jvp(fn, (theta,), (pullback(u)[0],))[1] / n).cpu().numpy()
+
+    lam_max = eigsh(LinearOperator((p, p), matvec=gv, dtype=np.float64), k=1, which="LA",
+                    tol=LANCZOS_TOL, return_eigenvectors=False)[0]
+    try:
+        lam_min = eigsh(LinearOperator((N, N), matvec=kv, dtype=np.float64), k=1, which="SA",
+                        tol=LANCZOS_TOL, maxiter=LANCZOS_MAXITER, return_eigenvectors=False)[0]
+        return _keep(s, "lanczos", (float(lam_max / lam_min), True))
+    except ArpackNoConvergence:
+        return _keep(s, "lanczos", (float("nan"), False))
+
+
+ROUTES = {
+    "dense": kappa_dense,
+    "reduced": kappa_reduced,
+    "lanczos": lambda s: kappa_lanczos(s)[0],
+}
+SCALING = {"reduced_naive": kappa_reduced_naive, "reduced": kappa_reduced}
+
+
+def route_sizes(quick: bool) -> list[dict]:
+    """(d, d_y, L, m) where the dense route runs: p about 4e3 at every d_y d."""
+    return [dict(d=8, d_y=5, L=3, m=58),         # d_y d = 40,  p = 4118
+            dict(d=16, d_y=10, L=3, m=52),       # d_y d = 160, p = 4056
+            dict(d=64, d_y=10, L=2, m=54)]       # d_y d = 640, p = 3996
+
+
+def scaling_sizes(quick: bool) -> list[dict]:
+    sizes = [dict(d=16, d_y=10, L=4, m=256),     # d_y d = 160
+             dict(d=64, d_y=10, L=4, m=512),     # d_y d = 640, p = 8.2e5
+             dict(d=64, d_y=10, L=10, m=1100)]   # d_y d = 640, p = 9.8e6
+    if not quick:
+        sizes += [dict(d=64, d_y=10, L=20, m=512)]
+    return sizes
+
+
+MNIST_SIZE = dict(d=784, d_y=10, L=3, m=1000)      # d_y d = 7840: an eigenvalue problem of size 7840, timed once
+
+
+def _setup_routes(d, d_y, L, m):
+    s = problem(d, d_y, L, m)
+    STATES.append(s)
+    return s
+
+
+def _setup_scaling(d, d_y, L, m):
+    s = problem(d, d_y, L, m, dense=False)
+    SCALING_STATES.append(s)
+    return s
+
+
+def _agreement() -> pd.DataFrame:
+    rows = []
+    for s in STATES:
+        r = s["results"]
+        k, (k_lan, conv) = r["reduced"], r["lanczos"]
+        rows.append({"size": f"d={s['d']}, d_y={s['d_y']}, L={s['L']}, m={s['m']}", "d_y d": s["d"] * s["d_y"],
+                     "p": s["p"], "kappa": k, "rel. diff dense": abs(r["dense"] - k) / k,
+                     "rel. diff lanczos": abs(k_lan - k) / k if conv else float("nan"), "lanczos converged": conv})
+    return pd.DataFrame(rows)
+
+
+STATES: list[dict] = []
+SCALING_STATES: list[dict] = []
+
+
+def _complexity_fit(frame: pd.DataFrame) -> pd.DataFrame:
+    """Least-squares fit of the reduced route's median time to c1 L m^2 (d + d_y) + c2 (d_y d)^3 (non-negative)."""
+    from scipy.optimize import nnls
+
+    info = pd.DataFrame([{"size": f"d={s['d']}, d_y={s['d_y']}, L={s['L']}, m={s['m']}", "d_y d": s["d"] * s["d_y"],
+                          "p": s["p"], "kappa": s["results"]["reduced"],
+                          "rel. diff naive": abs(s["results"]["reduced_naive"] / s["results"]["reduced"] - 1),
+                          "L m^2 (d+d_y)": s["L"] * s["m"] ** 2 * (s["d"] + s["d_y"]),
+                          "(d_y d)^3": (s["d"] * s["d_y"]) ** 3} for s in SCALING_STATES])
+    t = frame[frame.variant == "reduced"].groupby("size", sort=False).time_s.median()
+    info["measured (s)"] = info["size"].map(t)
+    A = info[["L m^2 (d+d_y)", "(d_y d)^3"]].to_numpy(float)
+    w = 1 / info["measured (s)"].to_numpy()                    # relative error
+    coef, _ = nnls(A * w[:, None], np.ones(len(info)))
+    info["model (s)"] = A @ coef
+    info.attrs["coef"] = coef.tolist()
+    return info
+
+
+def _write_agreement(routes: pd.DataFrame, scaling: pd.DataFrame, quick: bool) -> None:
+    c1, c2 = scaling.attrs["coef"]
+    md = ["**Agreement and complexity** (`gn_conditioning`, " + ("quick" if quick else "full") + " run).", "",
+          "Relative difference of κ between routes (κ at the theoretical rank; Lanczos: λ_max by ARPACK on the "
+          "p × p GN operator, λ_min on the n d_y × n d_y kernel operator, tol 1e-10):", "",
+          routes.to_markdown(index=False, floatfmt=".3g"), "",
+          f"Complexity model of the reduced route, t ≈ c1·L·m²·(d+d_y) + c2·(d_y d)³ with c1 = {c1:.3g} s, "
+          f"c2 = {c2:.3g} s (non-negative least squares on relative error):", "",
+          scaling.drop(columns=[]).to_markdown(index=False, floatfmt=".3g"), ""]
+    (RESULTS_DIR / "gn_conditioning_agreement.md").write_text("\n".join(md))
+    (RESULTS_DIR / "gn_conditioning_agreement.json").write_text(json.dumps(
+        {"routes": json.loads(routes.to_json(orient="records")),
+         "scaling": json.loads(scaling.to_json(orient="records")), "model_coef_s": [c1, c2]}, indent=1) + "\n")
+
+
+def main(quick: bool = False) -> list:
+    """Run both benchmarks; print and return their ratio tables (and the agreement table)."""
+    STATES.clear()
+    SCALING_STATES.clear()
+    repeats = 2 if quick else 5
+    routes = compare("gn_conditioning_routes", ROUTES, route_sizes(quick), setup=_setup_routes,
+                     repeats=repeats, warmup=0, baseline="dense", memory=not quick)
+    scaling = compare("gn_conditioning_scaling", SCALING, scaling_sizes(quick), setup=_setup_scaling,
+                      repeats=repeats + 1, warmup=1, baseline="reduced_naive", memory=not quick)
+    agree, fit = _agreement(), _complexity_fit(scaling)
+    _write_agreement(agree, fit, quick)
+    tables = [ratio_table(routes), ratio_table(scaling), agree, fit]
+    if not quick:   # the MNIST-sized case: minutes on two cores, one timed call, reported as measured
+        mnist = compare("gn_conditioning_mnist", {"reduced": kappa_reduced}, [MNIST_SIZE],
+                        setup=lambda **kw: problem(**kw, dense=False), repeats=1, warmup=0, memory=False)
+        tables.append(ratio_table(mnist))
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        for t in tables:
+            print(t.to_string(index=False))
+    return tables
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (CI)")
+    main(parser.parse_args().quick)
