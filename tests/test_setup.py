@@ -146,3 +146,10 @@ def test_seaborn_kwargs_are_complete():
     kw = plotting.seaborn_kwargs(["SGD", "K-FAC"])
     assert kw["hue_order"] == ["SGD", "K-FAC"] and set(kw["palette"]) == {"SGD", "K-FAC"}
     assert all(re.match(r"#[0-9A-F]{6}", c) for c in kw["palette"].values())
+
+
+def test_as_tensor_keeps_float64_precision():
+    from curvlab._validate import as_tensor
+
+    x = 1.2345678901234567
+    assert float(as_tensor("x", x, dtype=torch.float64)) == x

@@ -32,7 +32,8 @@ def as_tensor(name: str, value: Any, *, dtype: torch.dtype | None = None, device
         t = value
     else:
         try:
-            t = torch.as_tensor(value)
+            # convert straight to the requested dtype: going through torch's default float32 would round a float64
+            t = torch.as_tensor(value, dtype=dtype) if dtype is not None and dtype.is_floating_point else torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise TypeError(f"{name} must be a tensor or array-like of numbers, got {type(value).__name__}") from exc
     if t.dtype == torch.bool or t.is_complex():
