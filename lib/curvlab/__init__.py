@@ -10,6 +10,7 @@ One module per subject the book teaches, plus shared tools:
 ``sweep``       cached, code-aware parameter sweeps into tidy frames
 ``progress``    progress bars that stay out of the static book
 ``deep_linear`` deep linear / residual / leaky-ReLU networks: the GN matrix three ways, bounds, rank, pruning
+``meanfield``   Part II: mean-field network, kernel-form GN/GD, metrics, teacher-student / digits / MNIST data
 ``precond``     the preconditioner zoo: NGD, K-FAC (Tikhonov/factored damping), Shampoo, Adam, Muon, SOAP
 ``primer``      toy least-squares problems, Hessian = GN + residual part, Fisher vs empirical Fisher, K-FAC blocks
 ``regimes``     NTK / mean-field / µP scalings of two-layer networks, lazy vs rich training
@@ -25,7 +26,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "precond", "primer", "regimes", "rmt")
+_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt")
 __all__ = ["setup", "__version__", *_SUBMODULES]
 
 
