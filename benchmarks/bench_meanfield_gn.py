@@ -1,0 +1,191 @@
+"""One Gauss-Newton step of the mean-field network (chapter 20) by three routes, with a flop/byte model.
+
+Problem: paper 2's defaults, n = 500 samples, d = 10, width m in {500, 2000, 5000}, SiLU, sigma_0 = 1 and v != 0
+(so every Jacobian block is active), the authors' adaptive damping lambda_GN = max(1e-7, lambda_min(K)). Every route
+computes the same thing: K = J J^T in float64, its eigenvalues (for the damping), z = (K + lambda_GN I)^-1 r and the
+step J^T z. They differ only in how K and J^T z are obtained:
+
+``structured``
+    ``curvlab.meanfield.gn_direction``: K and J^T z from the closed-form Jacobian blocks; J is never formed.
+``authors_vmap``
+    the authors' route (their ``GN.step``): J (n x p) from ``torch.func.vmap`` over the n per-output VJPs at once,
+    then K = J J^T and J^T z as dense products. Its vmapped intermediates are (n, n, m) tensors (about 3 GB at
+    m = 500 in float64, 12 GB at m = 2000), so it is run at m = 500 only.
+``chunked_dense``
+    the same dense J built by VJPs in row chunks whose intermediates fit 256 MiB, then the same dense products.
+
+Two reports per dtype (float64, float32 parameters; Gram matrices are float64 in every route):
+``meanfield_gn_step_vs_authors_<dtype>`` (m = 500, all three routes, baseline ``authors_vmap``) and, outside
+``--quick``, ``meanfield_gn_step_vs_chunked_<dtype>`` (m = 2000 and 5000, baseline ``chunked_dense``). :func:`flop_byte_model` gives the
+operation and memory-traffic count of each route, and :func:`main` prints the measured speed-up as a fraction of the
+model's, and the peak-memory ratio.
+
+Run ``python benchmarks/bench_meanfield_gn.py [--quick]`` or ``benchmarks/run_all.py --only meanfield``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.func import vjp, vmap
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import compare, ratio_table  # noqa: E402
+
+from curvlab import config  # noqa: E402
+from curvlab import meanfield as mf  # noqa: E402
+
+N, D, ACT, FLOOR = 500, 10, "silu", 1e-7
+CHUNK_BUDGET = 256 * 2**20  # bytes of vmapped intermediates per chunk in the chunked route
+
+
+def problem(n: int, d: int, m: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> dict:
+    """Teacher-student data and a student with v != 0, on the configured device."""
+    dev = config.device()
+    data = mf.teacher_student([seed], act=ACT, d=d, n=n, n_test=10).to(dtype=dtype, device=dev)
+    p = mf.init_student(m, d, init_std=1.0, seeds=[seed], v0_zero=False, dtype=dtype, device=dev)
+    p1 = p.map(lambda t: t[0])
+    X, Y = data.X[0], data.Y[0]
+    fn = mf.model_fn(X, m, ACT)
+    return {"params": p1, "X": X, "Y": Y, "fn": fn, "theta": mf.flatten(p1), "n": n, "m": m, "d": d,
+            "dtype": dtype, "chunk": _chunk(n, m, torch.finfo(dtype).bits // 8)}
+
+
+def _chunk(n: int, m: int, itemsize: int) -> int:
+    """Rows per chunk so that the vmapped (chunk, n, m) intermediates (about three of them) fit CHUNK_BUDGET."""
+    return max(1, min(n, int(CHUNK_BUDGET // (3 * n * m * itemsize))))
+
+
+def _damped_solve(K: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The authors' damping and solve, shared by the dense routes (eigenvalues for lambda_min, then Cholesky)."""
+    lam = max(FLOOR, float(torch.linalg.eigvalsh(K)[0]))
+    L = torch.linalg.cholesky(K + lam * torch.eye(K.shape[0], dtype=K.dtype, device=K.device))
+    return torch.cholesky_solve(r.unsqueeze(-1), L).squeeze(-1)
+
+
+def _dense_step(s: dict, J: torch.Tensor) -> torch.Tensor:
+    r = (s["fn"](s["theta"]) - s["Y"]).to(torch.float64)
+    Jg = J.to(torch.float64)
+    z = _damped_solve(Jg @ Jg.T, r)
+    return J.T @ z.to(J.dtype)
+
+
+def structured(s: dict) -> torch.Tensor:
+    res = mf.gn_direction(s["params"], s["X"], s["Y"], ACT, mf.Damping.adaptive(FLOOR), spectrum=True)
+    return mf.flatten(res.delta)
+
+
+def authors_vmap(s: dict) -> torch.Tensor:
+    _, pull = vjp(s["fn"], s["theta"])
+    eye = torch.eye(s["n"], dtype=s["dtype"], device=s["theta"].device)
+    return _dense_step(s, vmap(pull)(eye)[0])
+
+
+def chunked_dense(s: dict) -> torch.Tensor:
+    _, pull = vjp(s["fn"], s["theta"])
+    eye = torch.eye(s["n"], dtype=s["dtype"], device=s["theta"].device)
+    J = torch.cat([vmap(pull)(eye[i:i + s["chunk"]])[0] for i in range(0, s["n"], s["chunk"])])
+    return _dense_step(s, J)
+
+
+def flop_byte_model(route: str, n: int, m: int, d: int, itemsize: int = 8) -> dict:
+    """Leading-order floating-point operations and bytes moved by one GN step along ``route``.
+
+    Shared by all routes: the forward pass (2nmd), the n x n eigenvalue problem (about 9n^3 with tridiagonalisation)
+    and the Cholesky solve (n^3/3). ``structured``: two n x m x n Gram products (4n^2 m) and J^T z (2nm(d+2));
+    it touches Phi and A (2nm entries) and K. The dense routes: n VJPs over the whole batch, each a backward pass
+    (2nmd for the W-gradient, which dominates), i.e. 2n^2 md; then K = JJ^T (2n^2 p) and J^T z (2np), with
+    p = m(d+2); they write and read J (np entries, twice) and, vmapped, hold (n, n, m) intermediates.
+    """
+    p = m * (d + 2)
+    shared = 2 * n * m * d + 9 * n ** 3 + n ** 3 / 3
+    if route == "structured":
+        flops = shared + 4 * n * n * m + 2 * n * m * (d + 2)
+        bytes_ = itemsize * (2 * n * m + n * d) + 8 * (2 * n * m + 2 * n * n)  # params-dtype features, f64 Gram
+        peak = 8 * (3 * n * m + 2 * n * n)
+    else:
+        chunk = n if route == "authors_vmap" else _chunk(n, m, itemsize)
+        flops = shared + 2 * n * n * m * d + 2 * n * n * p + 2 * n * p
+        # the n vmapped backward passes write and read about three (n, m) gradient tensors each; J is written,
+        # converted to float64 and read twice
+        bytes_ = itemsize * 3 * n * n * m + itemsize * n * p + 8 * (3 * n * p + n * n)
+        peak = itemsize * n * p + 8 * n * p + 3 * itemsize * chunk * n * m
+    return {"route": route, "flops": float(flops), "bytes": float(bytes_), "model_peak_bytes": float(peak)}
+
+
+def _check_agreement(s: dict, routes: dict) -> None:
+    ref = structured(s)
+    tol = 1e-6 if s["dtype"] == torch.float64 else 2e-3
+    for name, f in routes.items():
+        got = f(s)
+        err = float((got - ref).norm() / ref.norm())
+        if err > tol:
+            raise AssertionError(f"{name} disagrees with structured: relative error {err:.2g}")
+
+
+def _run(name: str, variants: dict, sizes: list, dtype: torch.dtype, baseline: str, repeats: int) -> pd.DataFrame:
+    def setup(n: int, d: int, m: int) -> dict:
+        s = problem(n, d, m, dtype)
+        _check_agreement(s, {k: v for k, v in variants.items() if k != "structured"})
+        return s
+
+    frame = compare(name, variants, sizes, setup=setup, repeats=repeats, warmup=1, baseline=baseline)
+    table = ratio_table(frame)
+    table["dtype"] = str(dtype).replace("torch.", "")
+    return table
+
+
+def summarise(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Measured speed-up of ``structured`` over the baseline, as a fraction of the model's; memory ratio."""
+    out = []
+    for (size, dt), g in table.groupby(["size", "dtype"]):
+        m = int(dict(kv.split("=") for kv in size.split(", "))["m"])
+        item = 8 if dt == "float64" else 4
+        st = g[g.variant == "structured"].iloc[0]
+        base = g[g.variant == baseline].iloc[0]
+        fm = {r: flop_byte_model(r, N, m, D, item) for r in ("structured", baseline)}
+        model = fm[baseline]["flops"] / fm["structured"]["flops"]
+        model_b = fm[baseline]["bytes"] / fm["structured"]["bytes"]
+        measured = 1.0 / st.ratio
+        out.append({"size": size, "dtype": dt, "baseline": baseline,
+                    "time_structured_ms": 1e3 * st.median_time_s, "time_baseline_ms": 1e3 * base.median_time_s,
+                    "speedup_measured": measured, "speedup_ci": f"{1 / st.ratio_ci_high:.3g}-{1 / st.ratio_ci_low:.3g}",
+                    "speedup_model_flops": model, "fraction_of_model": measured / model,
+                    "speedup_model_bytes": model_b, "fraction_of_byte_model": measured / model_b,
+                    "mem_ratio_measured": 1.0 / st.mem_ratio if st.mem_ratio > 0 else float("nan"),
+                    "mem_ratio_model": fm[baseline]["model_peak_bytes"] / fm["structured"]["model_peak_bytes"]})
+    return pd.DataFrame(out)
+
+
+def main(quick: bool = False) -> list:
+    """Run the comparisons; return the ratio tables and the model summaries.
+
+    ``quick``: m = 500 only (all three routes), 2 repeats — about a minute on two cores. Full: also
+    m = 2000 and 5000 against the chunked route (the dense routes take tens of seconds per call there).
+    """
+    tables = []
+    for dtype in (torch.float64, torch.float32):
+        tag = str(dtype).replace("torch.", "")
+        t1 = _run(f"meanfield_gn_step_vs_authors_{tag}",
+                  {"authors_vmap": authors_vmap, "structured": structured, "chunked_dense": chunked_dense},
+                  [{"n": N, "d": D, "m": 500}], dtype, "authors_vmap", 2 if quick else 5)
+        tables += [t1, summarise(t1, "authors_vmap")]
+        if not quick:
+            t2 = _run(f"meanfield_gn_step_vs_chunked_{tag}",
+                      {"chunked_dense": chunked_dense, "structured": structured},
+                      [{"n": N, "d": D, "m": w} for w in (2000, 5000)], dtype, "chunked_dense", 3)
+            tables += [t2, summarise(t2, "chunked_dense")]
+    return tables
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="width 500 only, fewer repeats")
+    pd.set_option("display.width", 200)
+    for table in main(parser.parse_args().quick):
+        print(table.to_string(index=False, float_format="{:.4g}".format))
