@@ -950,7 +950,7 @@ def train_gd(Ws, X, Y, *, eta: float, steps: int, every: int = 1, skip_scale: fl
                 extra = record(t, [W.detach() for W in Ws]) if record else {}
                 rows.append({"step": t, "loss": float(loss.detach()), **extra})
         if not math.isfinite(float(loss.detach())):
-            raise ValueError(f"gradient descent diverged at step {t} (loss {float(loss)}); lower eta")
+            raise ValueError(f"gradient descent diverged at step {t} (loss {float(loss.detach())}); lower eta")
         if t == steps:
             break
         grads = torch.autograd.grad(loss, Ws)
