@@ -348,3 +348,30 @@ def test_conditioning_frame_nested_networks_and_min_loss():
     assert math.isclose(dl.min_loss(X, Y), float((X @ M - Y).square().sum() / 60), rel_tol=1e-10)
     with pytest.raises(ValueError, match="rows"):
         dl.min_loss(X, Y[:5])
+
+
+# ----------------------------------------------------------------------------- kappa-only route
+
+
+@pytest.mark.parametrize("widths, batch", [([12, 12], ()), ([9], (2,))])
+def test_gn_kappa_matches_eigh_route(widths, batch):
+    gen = torch.Generator().manual_seed(7)
+    Ws = dl.init_weights(6, widths, 4, batch=batch, generator=gen)
+    k_fast = dl.gn_kappa(Ws)
+    k_ref = dl.gn_condition(Ws).kappa
+    torch.testing.assert_close(k_fast, k_ref, rtol=1e-8, atol=0)
+
+
+def test_gn_kappa_with_sigma_and_bottleneck_fallback():
+    gen = torch.Generator().manual_seed(8)
+    Ws = dl.init_weights(6, [10], 3, generator=gen)
+    X = torch.randn(40, 6, generator=gen, dtype=torch.float64)
+    S = X.T @ X / 40
+    torch.testing.assert_close(dl.gn_kappa(Ws, S), dl.gn_condition(Ws, S).kappa, rtol=1e-8, atol=0)
+    Wb = dl.init_weights(6, [2], 3, generator=gen)  # bottleneck: rank < d d_y, falls back to eigvalsh
+    torch.testing.assert_close(dl.gn_kappa(Wb), dl.gn_condition(Wb).kappa, rtol=1e-12, atol=0)
+
+
+def test_gn_kappa_bad_input():
+    with pytest.raises(ValueError):
+        dl.gn_kappa([torch.ones(3, 4), torch.ones(2, 5)])

@@ -226,3 +226,61 @@ def test_covariance_bad_input(bad, match):
         covariance(bad)
     with pytest.raises(ValueError, match="basis"):
         covariance([1.0], basis="diagonal")
+
+
+# ----------------------------------------------------------------------------- Lanczos extremes
+
+
+def test_lanczos_extremes_matches_eigvalsh_batched():
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(3, 60, 40, generator=gen, dtype=torch.float64)
+    A = X.transpose(-2, -1) @ X + 0.1 * torch.eye(40, dtype=torch.float64)
+    res = linalg.lanczos_extremes(A, rtol=1e-10)
+    lam = torch.linalg.eigvalsh(A)
+    assert res.converged
+    torch.testing.assert_close(res.lambda_max, lam[..., -1], rtol=1e-9, atol=0)
+    torch.testing.assert_close(res.lambda_min, lam[..., 0], rtol=1e-9, atol=0)
+    assert bool((res.residual_min <= 1e-10 * res.lambda_min).all())
+
+
+def test_lanczos_operator_equals_matrix_form():
+    gen = torch.Generator().manual_seed(4)
+    A = torch.randn(30, 30, generator=gen, dtype=torch.float64)
+    A = A + A.T
+    res = linalg.lanczos_extremes_operator(lambda q: A @ q, 30, A)
+    lam = torch.linalg.eigvalsh(A)
+    torch.testing.assert_close(res.lambda_min, lam[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(res.lambda_max, lam[-1], rtol=1e-9, atol=1e-12)
+
+
+def test_lanczos_exhausted_krylov_space_is_exact():
+    A = torch.diag(torch.tensor([1.0, 1.0, 5.0, 5.0], dtype=torch.float64))
+    res = linalg.lanczos_extremes(A)
+    assert res.converged and res.iterations <= 2
+    assert float(res.lambda_max) == pytest.approx(5.0, rel=1e-14)
+    assert float(res.lambda_min) == pytest.approx(1.0, rel=1e-14)
+
+
+def test_lanczos_reports_non_convergence():
+    lam = torch.linspace(1.0, 2.0, 200, dtype=torch.float64)
+    res = linalg.lanczos_extremes(torch.diag(lam), rtol=1e-14, max_iter=5)
+    assert not res.converged and res.iterations == 5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"A": torch.ones(2, 3)}, "square"),
+    ({"A": torch.tensor([[1.0, 2.0], [0.0, 1.0]])}, "symmetric"),
+    ({"A": torch.tensor([[float("nan"), 0.0], [0.0, 1.0]])}, "A"),
+    ({"A": torch.eye(3), "rtol": 0.0}, "rtol"),
+    ({"A": torch.eye(3), "max_iter": 0}, "max_iter"),
+])
+def test_lanczos_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        linalg.lanczos_extremes(**kwargs)
+
+
+def test_lanczos_operator_bad_input():
+    with pytest.raises(TypeError, match="matvec"):
+        linalg.lanczos_extremes_operator(None, 3, torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(TypeError, match="like"):
+        linalg.lanczos_extremes_operator(lambda q: q, 3, torch.zeros(1, dtype=torch.int64))

@@ -18,6 +18,8 @@ Functions accept a leading batch dimension ``(..., m, n)`` wherever that is natu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import config
@@ -35,6 +37,9 @@ __all__ = [
     "sin_theta_distance",
     "random_orthogonal",
     "covariance",
+    "LanczosResult",
+    "lanczos_extremes",
+    "lanczos_extremes_operator",
 ]
 
 
@@ -228,3 +233,94 @@ def covariance(eigenvalues, basis: str = "random", *, generator: torch.Generator
     check_choice("basis", basis, ("random", "aligned"))
     U = random_orthogonal(s.numel(), generator=generator) if basis == "random" else torch.eye(s.numel(), dtype=torch.float64)
     return (U * s) @ U.T, (U * s.sqrt()) @ U.T
+
+
+class LanczosResult(NamedTuple):
+    r"""Extreme Ritz values of a batch of symmetric matrices from :func:`lanczos_extremes`.
+
+    ``lambda_max``/``lambda_min`` are the largest/smallest Ritz values, ``residual_max``/``residual_min`` their
+    residual norms :math:`\beta_k|s_{k,i}|` (an eigenvalue of the matrix lies within that distance of each Ritz
+    value), ``iterations`` the Krylov dimension used and ``converged`` whether both residuals met the tolerance."""
+
+    lambda_max: torch.Tensor
+    lambda_min: torch.Tensor
+    residual_max: torch.Tensor
+    residual_min: torch.Tensor
+    iterations: int
+    converged: bool
+
+
+def lanczos_extremes(A, *, rtol: float = 1e-10, max_iter: int | None = None, check_every: int = 4,
+                     generator: torch.Generator | None = None) -> LanczosResult:
+    r"""Largest and smallest eigenvalues of symmetric ``A`` (``(..., N, N)``, batched) by Lanczos with full
+    reorthogonalisation, without the :math:`O(N^3)` tridiagonal reduction of ``eigvalsh``.
+
+    Stops when both extreme Ritz values :math:`\theta` have residual :math:`\beta_k|s_{k,i}|\le`
+    ``rtol`` :math:`\cdot|\theta|` in every batch member (then :math:`|\theta-\lambda|\le` ``rtol``
+    :math:`|\theta|` for *some* eigenvalue :math:`\lambda`; with a random start vector it is the extreme one
+    with probability one), when the Krylov space is exhausted (:math:`\beta_k = 0`: the Ritz values are exact),
+    or after ``max_iter`` steps (default :math:`N`), reporting ``converged=False``. Cost per step: one
+    matrix–vector product and :math:`O(Nk)` for reorthogonalisation. Float64 on the spectral device.
+    :func:`lanczos_extremes_operator` is the same for an operator given by its matrix–vector product.
+    """
+    A = config.spectral(check_finite("A", check_matrix("A", A, batch=True)))
+    N = A.shape[-1]
+    if A.shape[-2] != N:
+        raise ValueError(f"A must be square, got shape {tuple(A.shape)}")
+    _check_symmetric("A", A)
+    scale = A.abs().amax(dim=(-2, -1))
+    return _lanczos(lambda q: A @ q, A.shape[:-2], N, A, scale, rtol, max_iter, check_every, generator)
+
+
+def lanczos_extremes_operator(matvec, size: int, like: torch.Tensor, *, batch=(), scale=None, rtol: float = 1e-10,
+                              max_iter: int | None = None, check_every: int = 4,
+                              generator: torch.Generator | None = None) -> LanczosResult:
+    r""":func:`lanczos_extremes` for a symmetric operator known only through ``matvec`` (which maps
+    ``(*batch, size, 1)`` to the same shape); ``like`` gives dtype and device, ``scale`` (default 1) a magnitude
+    of the operator used to detect an exhausted Krylov space. Used for Kronecker sums that are never formed."""
+    size = check_int("size", size, min_value=1)
+    if not callable(matvec):
+        raise TypeError("matvec must be callable")
+    if not isinstance(like, torch.Tensor) or not like.dtype.is_floating_point:
+        raise TypeError("like must be a floating tensor")
+    batch = tuple(batch)
+    scale = torch.ones(batch, dtype=like.dtype, device=like.device) if scale is None else scale
+    return _lanczos(matvec, batch, size, like, scale, rtol, max_iter, check_every, generator)
+
+
+def _lanczos(matvec, batch, N, like, scale, rtol, max_iter, check_every, generator) -> LanczosResult:
+    if not isinstance(rtol, (int, float)) or not 0 < rtol < 1:
+        raise ValueError(f"rtol must be a number in (0, 1), got {rtol!r}")
+    max_iter = N if max_iter is None else min(check_int("max_iter", max_iter, min_value=1), N)
+    check_every = check_int("check_every", check_every, min_value=1)
+    dt, dev = like.dtype, like.device
+    gen = generator if generator is not None else torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(*batch, N, 1, generator=gen, dtype=dt, device=dev)
+    q = q / torch.linalg.vector_norm(q, dim=-2, keepdim=True)
+    Q = torch.empty(*batch, N, max_iter, dtype=dt, device=dev)
+    alpha = torch.empty(*batch, max_iter, dtype=dt, device=dev)
+    beta = torch.zeros(*batch, max_iter, dtype=dt, device=dev)
+    floor = torch.finfo(dt).eps * scale
+    k, theta, s_last = 0, None, None
+    for k in range(1, max_iter + 1):
+        j = k - 1
+        Q[..., j : j + 1] = q
+        w = matvec(q)
+        alpha[..., j] = (q * w).sum(dim=(-2, -1))
+        Qk = Q[..., :k]
+        for _ in range(2):  # full reorthogonalisation, twice is enough
+            w = w - Qk @ (Qk.transpose(-2, -1) @ w)
+        b = torch.linalg.vector_norm(w, dim=(-2, -1))
+        beta[..., j] = b
+        exhausted = bool((b <= floor).all())
+        if k % check_every == 0 or k == max_iter or exhausted:
+            T = torch.diag_embed(alpha[..., :k]) + torch.diag_embed(beta[..., : k - 1], 1) \
+                + torch.diag_embed(beta[..., : k - 1], -1)
+            theta, S = torch.linalg.eigh(T)
+            s_last = S[..., -1, :].abs() * b.unsqueeze(-1)
+            res_min, res_max = s_last[..., 0], s_last[..., -1]
+            ok = (res_min <= rtol * theta[..., 0].abs()) & (res_max <= rtol * theta[..., -1].abs())
+            if exhausted or bool(ok.all()):
+                return LanczosResult(theta[..., -1], theta[..., 0], res_max, res_min, k, True)
+        q = w / torch.maximum(b, floor).unsqueeze(-1).unsqueeze(-1)
+    return LanczosResult(theta[..., -1], theta[..., 0], s_last[..., -1], s_last[..., 0], k, False)
