@@ -182,9 +182,9 @@ def set_theme(context: str = "notebook") -> None:
     if context not in _CONTEXTS:
         raise ValueError(f"context must be one of {sorted(_CONTEXTS)}, got {context!r}")
     sns.set_theme(
-        context="talk" if context == "projector" else context,
+        context="notebook",
         style="ticks",
-        font_scale=_CONTEXTS[context] if context == "projector" else 1.0,
+        font_scale=_CONTEXTS[context],
         rc={
             "figure.facecolor": "white",
             "axes.facecolor": "white",
@@ -223,6 +223,10 @@ class Figure:
             f'<img src="data:image/png;base64,{data}" alt="{html.escape(self.alt, quote=True)}" style="max-width:100%"/>'
             f"<figcaption><strong>Figure {self.number}.</strong> {html.escape(self.caption)}</figcaption></figure>"
         )
+
+    def _repr_png_(self) -> bytes:
+        """The image alone, for front ends that do not render HTML (the LaTeX handout, ``make pdf``)."""
+        return self.png
 
     def __repr__(self) -> str:
         return f"Figure {self.number}. {self.caption}\n[alt: {self.alt}]"
