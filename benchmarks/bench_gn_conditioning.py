@@ -17,6 +17,9 @@ with input dimension d, output dimension d_y, L layers of width m, on n = d whit
 ``gn_conditioning_mnist`` (full run only): the MNIST-sized case d = 784, d_y = 10 (d_y d = 7840), one timed call of
     the reduced route; the dense route (p about 1.8e6) is out of reach.
 
+``gn_conditioning_width_scaling``: the reduced route's cost against the width m at d = 8, d_y = 4, L = 4 (so that
+    (d_y d)^3 is negligible): L m^2 (d + d_y), exponent 2.
+
 Agreement (relative difference of kappa between routes) and the complexity fit are written to
 ``results/gn_conditioning_agreement.{json,md}``. Run ``python benchmarks/bench_gn_conditioning.py [--quick]``.
 """
@@ -35,7 +38,7 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS_DIR, compare, ratio_table  # noqa: E402
+from harness import RESULTS_DIR, compare, ratio_table, scaling  # noqa: E402
 
 from curvlab import config  # noqa: E402
 from curvlab import curvature as cv  # noqa: E402
@@ -212,10 +215,23 @@ def main(quick: bool = False) -> list:
         mnist = compare("gn_conditioning_mnist", {"reduced": kappa_reduced}, [MNIST_SIZE],
                         setup=lambda **kw: problem(**kw, dense=False), repeats=1, warmup=0, memory=False)
         tables.append(ratio_table(mnist))
+    tables += scaling_curves(quick)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         for t in tables:
             print(t.to_string(index=False))
     return tables
+
+
+def scaling_curves(quick: bool = False) -> list:
+    """Cost of the reduced route against the width m (chapters 30-31): model L m^2 (d + d_y), exponent 2."""
+    base = {"d": 8, "d_y": 4, "L": 4}
+    lo, hi, k = (256, 2048, 5) if quick else (384, 4096, 6)
+    return [scaling("gn_conditioning_width_scaling", {"reduced": kappa_reduced},
+                    [{**base, "m": int(m)} for m in np.geomspace(lo, hi, k).round()], x="m", probe={**base, "m": 2},
+                    setup=lambda d, d_y, L, m: problem(d, d_y, L, m, dense=False), expected={"reduced": 2.0},
+                    repeats=3 if quick else 5,
+                    model="Chapters 30–31: κ(GN) of a deep linear network by the reduced route (QR-accumulated "
+                          "layer products), d = 8, d_y = 4, L = 4; model L m²(d + d_y) + (d_y d)³, exponent 2 in m.")]
 
 
 if __name__ == "__main__":

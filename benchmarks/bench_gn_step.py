@@ -9,6 +9,10 @@ Model: one hidden layer, ``f(x) = v^T silu(U x + b)`` (``torch.nn``, via ``curvl
 ``gn_vector_product``
     :math:`G v`: ``dense_gn`` (form :math:`G = J^T J`, then multiply; the baseline), ``dense_prebuilt``
     (multiply by a :math:`G` formed beforehand, untimed), ``matrix_free`` (one JVP and one VJP).
+``gn_step_scaling`` (cost vs width at fixed ``n``)
+    the matrix-free step (``n`` VJPs and JVPs under ``vmap``: :math:`O(n^2 d\,\text{width})`, plus an ``n x n``
+    solve that does not grow) and the matrix-free GN-vector product (:math:`O(n d\,\text{width})`): both
+    expected linear in the width, i.e. in ``p``.
 
 Run ``python benchmarks/bench_gn_step.py [--quick]`` or ``benchmarks/run_all.py``.
 """
@@ -19,10 +23,11 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, ratio_table  # noqa: E402
+from harness import compare, ratio_table, scaling  # noqa: E402
 
 from curvlab import config  # noqa: E402
 from curvlab import curvature as cv  # noqa: E402
@@ -89,7 +94,21 @@ def main(quick: bool = False) -> list:
                                         ("gn_vector_product", GVP_VARIANTS, gvp_setup, "dense_gn")):
         frame = compare(name, variants, sizes, setup=setup, repeats=repeats, warmup=1, baseline=base)
         tables.append(ratio_table(frame))
+    tables.append(scaling_curve(quick))
     return tables
+
+
+def scaling_curve(quick: bool = False):
+    """Cost of the matrix-free step and GN-vector product against the width (p = 12 width) at n = 32."""
+    lo, hi, k = (256, 4096, 5) if quick else (512, 16384, 6)
+    widths = [int(w) for w in np.geomspace(lo, hi, k).round()]
+    return scaling("gn_step_scaling",
+                   {"step matrix_free": STEP_VARIANTS["matrix_free"], "G v matrix_free": GVP_VARIANTS["matrix_free"]},
+                   [{"n": 32, "d": 10, "width": w} for w in widths], x="width", probe={"n": 32, "d": 10, "width": 2},
+                   setup=mlp_problem, expected={"step matrix_free": 1.0, "G v matrix_free": 1.0},
+                   repeats=5 if quick else 7,
+                   model="Chapter 01 (curvature primer): matrix-free GN step and GN-vector product of a one-hidden-"
+                         "layer MLP, n = 32, d = 10; model O(n² d·width) and O(n d·width), exponent 1 in the width.")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ Two reports per dtype (float64, float32 parameters; Gram matrices are float64 in
 operation and memory-traffic count of each route, and :func:`main` prints the measured speed-up as a fraction of the
 model's, and the peak-memory ratio.
 
+``meanfield_gn_step_scaling``: the cost of the ``structured`` step against the width m at n = 50 (the model's
+4n²m + 2nm(d + 2) + 2nmd terms are linear in m; the 9n³ eigenvalue problem does not grow): exponent 1.
+
 Run ``python benchmarks/bench_meanfield_gn.py [--quick]`` or ``benchmarks/run_all.py --only meanfield``.
 """
 
@@ -35,7 +38,7 @@ import torch
 from torch.func import vjp, vmap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, ratio_table  # noqa: E402
+from harness import compare, ratio_table, scaling  # noqa: E402
 
 from curvlab import config  # noqa: E402
 from curvlab import meanfield as mf  # noqa: E402
@@ -180,7 +183,20 @@ def main(quick: bool = False) -> list:
                       {"chunked_dense": chunked_dense, "structured": structured},
                       [{"n": N, "d": D, "m": w} for w in (2000, 5000)], dtype, "chunked_dense", 3)
             tables += [t2, summarise(t2, "chunked_dense")]
+    tables.append(scaling_curve(quick))
     return tables
+
+
+def scaling_curve(quick: bool = False) -> pd.DataFrame:
+    """Cost of one structured GN step against the width m at n = 50 (chapter 20): expected linear in m."""
+    lo, hi, k = (2_000, 32_000, 5) if quick else (4_000, 128_000, 6)
+    widths = [int(w) for w in np.geomspace(lo, hi, k).round()]
+    return scaling("meanfield_gn_step_scaling", {"structured": structured},
+                   [{"n": 50, "d": D, "m": m} for m in widths], x="m", probe={"n": 50, "d": D, "m": 2},
+                   setup=lambda n, d, m: problem(n, d, m), expected={"structured": 1.0}, repeats=5 if quick else 7,
+                   model="Chapter 20: one GN step of the mean-field network by the structured route (K and J^T z "
+                         "from the Jacobian blocks), n = 50, d = 10, float64; model 4n²m + 4nmd + 9n³, exponent 1 "
+                         "in m.")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,16 @@ Results are a tidy frame (one row per benchmark x size x variant x repeat), a ra
 vs the baseline, its IQR and a bootstrap 95% interval of the median), and machine information; they are
 written to ``benchmarks/results/<name>.json`` and ``benchmarks/results/<name>.md`` (a table for MyST
 ``{include}``). Nothing here asserts anything about speed: performance claims live in these reports only.
+
+**Cost-vs-size curves.** :func:`scaling` times each variant at a ladder of sizes (plus a tiny *probe* size),
+and :func:`fit_exponent` fits ``log t = a + b log x`` to the per-size median times. The rule for what enters the
+fit is fixed in advance (:data:`OVERHEAD_FACTOR`): a size is *overhead-dominated*, and excluded, when its median
+time is below 20 times the median time of the same call at the probe size, ``t0``; ``t0`` bounds every fixed
+per-call cost (Python, dispatch, allocation), so a kept size carries at most 5 % of such cost. A fit is valid
+when at least :data:`MIN_SIZES` (5) sizes spanning at least one decade of ``x`` are kept. The exponent's 95 %
+interval is the union of two intervals: a bootstrap over repeats (repeats resampled within each size, medians
+refitted: measurement noise) and the Student-*t* interval of the slope from the residuals around the line (model
+misfit, sub-leading terms). The verdict compares it with the expected exponent of the complexity model.
 """
 
 from __future__ import annotations
@@ -41,7 +51,14 @@ from curvlab import config
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESERVED = ("benchmark", "size", "variant", "repeat", "order", "time_s", "peak_mem_bytes", "mem_method", "device")
 
-__all__ = ["compare", "ratio_table", "machine_info", "write_results", "RESULTS_DIR"]
+__all__ = ["compare", "ratio_table", "machine_info", "write_results", "RESULTS_DIR", "scaling", "fit_exponent",
+           "scaling_table", "write_scaling", "OVERHEAD_FACTOR", "MIN_SIZES"]
+
+#: A size is overhead-dominated when its median time is below OVERHEAD_FACTOR x the probe's (fixed cost <= 5 %).
+OVERHEAD_FACTOR = 20.0
+#: A cost-vs-size fit needs at least this many kept sizes, spanning at least MIN_DECADES decades.
+MIN_SIZES = 5
+MIN_DECADES = 1.0
 
 
 # ----------------------------------------------------------------------------------------------- measuring
@@ -273,3 +290,195 @@ def write_results(name: str, frame: pd.DataFrame, *, results_dir: str | Path | N
     json_path.write_text(json.dumps(payload, indent=1) + "\n")
     md_path.write_text(_markdown(name, ratios, machine, settings, str(frame["mem_method"].iloc[0])))
     return json_path, md_path
+
+
+# ----------------------------------------------------------------------------------------- cost-vs-size curves
+def fit_exponent(x: Sequence[float], samples: Sequence[Sequence[float]], *, n_boot: int = 2000, seed: int = 0,
+                 level: float = 0.95) -> dict[str, float]:
+    """Fit ``log median(t) = a + b log x``; return the exponent ``b``, its intervals and the fit's scatter.
+
+    ``samples[k]`` holds the repeated times at size ``x[k]``. Intervals: ``boot_low/high`` (percentile bootstrap,
+    repeats resampled within each size), ``t_low/t_high`` (Student-*t* on the residuals, ``len(x) - 2`` degrees of
+    freedom) and ``ci_low/ci_high``, their union. ``rms_log_resid``: root-mean-square residual in natural log.
+    """
+    from scipy import stats
+
+    x = np.asarray(x, dtype=float)
+    if x.ndim != 1 or len(x) < 3 or len(samples) != len(x) or np.any(x <= 0):
+        raise ValueError(f"x must be >= 3 positive sizes with one sample list each, got {len(x)} and {len(samples)}")
+    arrays = [np.asarray(s, dtype=float) for s in samples]
+    if any(a.size == 0 or np.any(a <= 0) for a in arrays):
+        raise ValueError("samples must be non-empty lists of positive times")
+    lx = np.log(x)
+    cx = lx - lx.mean()
+    sxx = float(cx @ cx)
+    ly = np.log([np.median(a) for a in arrays])
+    b = float(cx @ (ly - ly.mean()) / sxx)
+    resid = ly - ly.mean() - b * cx
+    dof = len(x) - 2
+    se = float(np.sqrt(resid @ resid / dof / sxx)) if dof > 0 else float("nan")
+    tq = float(stats.t.ppf(0.5 + level / 2, dof)) if dof > 0 else float("nan")
+    rng = np.random.default_rng(seed)
+    boot_ly = np.stack([np.log(np.median(rng.choice(a, size=(n_boot, a.size), replace=True), axis=1))
+                        for a in arrays], axis=1)                                  # (n_boot, sizes)
+    boot_b = (boot_ly - boot_ly.mean(1, keepdims=True)) @ cx / sxx
+    lo, hi = np.quantile(boot_b, [(1 - level) / 2, (1 + level) / 2])
+    t_lo, t_hi = b - tq * se, b + tq * se
+    return {"exponent": b, "boot_low": float(lo), "boot_high": float(hi), "t_low": t_lo, "t_high": t_hi,
+            "ci_low": float(min(lo, t_lo)), "ci_high": float(max(hi, t_hi)), "se": se,
+            "rms_log_resid": float(np.sqrt(np.mean(resid ** 2)))}
+
+
+def scaling_table(frame: pd.DataFrame, *, x: str, expected: Mapping[str, float], probe: str,
+                  overhead_factor: float = OVERHEAD_FACTOR, n_boot: int = 2000, seed: int = 0
+                  ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Apply the exclusion rule and fit each variant's exponent; return ``(points, fits)``.
+
+    ``frame``: from :func:`compare`, with the probe size labelled ``probe`` and a numeric column ``x``.
+    ``points``: one row per variant and size (median, IQR, ``kept`` or the reason it is not). ``fits``: one row per
+    variant: kept sizes, decades spanned, exponent with intervals, ``expected`` and ``verdict`` (``consistent``:
+    the expected exponent lies in the interval; ``differs``; ``too few sizes``: fewer than :data:`MIN_SIZES` kept
+    sizes or less than a decade).
+    """
+    points, fits = [], []
+    for variant, g in frame.groupby("variant", sort=False):
+        t0 = float(g.loc[g["size"] == probe, "time_s"].median())
+        ladder = g[g["size"] != probe]
+        by_size = [(float(xv), h["time_s"].to_numpy()) for xv, h in ladder.groupby(x, sort=True)]
+        kept = []
+        for xv, t in by_size:
+            med = float(np.median(t))
+            ok = med >= overhead_factor * t0
+            kept += [(xv, t)] if ok else []
+            points.append({"variant": variant, x: xv, "median_time_s": med, "q25_time_s": float(np.quantile(t, 0.25)),
+                           "q75_time_s": float(np.quantile(t, 0.75)), "repeats": len(t), "probe_time_s": t0,
+                           "kept": ok, "why": "fitted" if ok else f"overhead: median < {overhead_factor:g} x probe"})
+        xs = [k for k, _ in kept]
+        decades = float(np.log10(max(xs) / min(xs))) if len(xs) >= 2 else 0.0
+        fit = fit_exponent(xs, [t for _, t in kept], n_boot=n_boot, seed=seed) if len(xs) >= 3 else {}
+        exp_b = expected.get(variant, float("nan"))
+        valid = len(xs) >= MIN_SIZES and decades >= MIN_DECADES - 1e-9
+        if not fit:
+            verdict = "too few sizes"
+        elif not np.isfinite(exp_b):
+            verdict = "no model"
+        else:
+            inside = fit["ci_low"] <= exp_b <= fit["ci_high"]
+            verdict = ("consistent" if inside else "differs") + ("" if valid else " (too few sizes)")
+        fits.append({"benchmark": frame["benchmark"].iloc[0], "variant": variant, "x": x, "sizes_kept": len(xs),
+                     "sizes_total": len(by_size), "x_min": min(xs) if xs else float("nan"),
+                     "x_max": max(xs) if xs else float("nan"), "decades": decades, "expected": exp_b,
+                     **{k: fit.get(k, float("nan")) for k in ("exponent", "ci_low", "ci_high", "boot_low", "boot_high",
+                                                              "t_low", "t_high", "rms_log_resid")},
+                     "valid": valid, "verdict": verdict})
+    return pd.DataFrame(points), pd.DataFrame(fits)
+
+
+def scaling(name: str, variants: Mapping[str, Callable[..., Any]], sizes: Sequence[Mapping[str, Any]], *, x: str,
+            expected: Mapping[str, float], probe: Mapping[str, Any], setup: Callable[..., Any] | None = None,
+            repeats: int = 5, warmup: int = 1, overhead_factor: float = OVERHEAD_FACTOR, model: str = "",
+            device: torch.device | str | None = None, single_thread: bool = True, write: bool = True,
+            results_dir: str | Path | None = None) -> pd.DataFrame:
+    """Cost-vs-size curve: time ``variants`` at ``probe`` and at every size of ``sizes`` (interleaved, as in
+    :func:`compare`), apply the exclusion rule, fit the exponents in the size key ``x``; return the fits.
+
+    ``expected``: the complexity model's exponent per variant (``model`` says which model, for the report).
+    ``single_thread``: time with ``torch.set_num_threads(1)`` (recorded in the machine line), so that the curve
+    measures the algorithm rather than how many cores other jobs leave free. Writes ``<name>.json``, ``<name>.md`` and ``<name>.png`` (log-log curves) when ``write``.
+    """
+    if not isinstance(x, str) or any(x not in s for s in [probe, *sizes]):
+        raise ValueError(f"x must be a key of probe and of every size, got {x!r}")
+    if len({float(s[x]) for s in sizes}) < 3:
+        raise ValueError(f"sizes must give at least 3 distinct values of {x!r}")
+    threads = torch.get_num_threads()
+    if single_thread:  # the exponent is the algorithm's: one thread keeps other jobs' load on a shared machine out
+        torch.set_num_threads(1)
+    try:
+        frame = compare(name, variants, [probe, *sizes], setup=setup, repeats=repeats, warmup=warmup,
+                        baseline=next(iter(variants)), device=device, memory=False, write=False)
+    finally:
+        torch.set_num_threads(threads)
+    points, fits = scaling_table(frame, x=x, expected=expected, probe=_label(probe), overhead_factor=overhead_factor)
+    fits.attrs.update(points=points, machine=frame.attrs["machine"], model=model, probe=_label(probe),
+                      settings=frame.attrs["settings"], overhead_factor=overhead_factor)
+    if write:
+        write_scaling(name, fits, results_dir=results_dir)
+    return fits
+
+
+def _scaling_markdown(name: str, fits: pd.DataFrame) -> str:
+    a, m = fits.attrs, fits.attrs["machine"]
+    x = fits["x"].iloc[0]
+    head = [
+        f"**Cost-vs-size `{name}`** — {a['model']} Median wall time over {a['settings']['repeats']} interleaved "
+        f"repeats per size (warm-up {a['settings']['warmup']}); probe size `{a['probe']}`; sizes whose median is "
+        f"below {a['overhead_factor']:g} × the probe's are excluded as overhead-dominated; 95 % interval: union of "
+        "a bootstrap over repeats and the Student-*t* interval of the slope.",
+        "",
+        f"Machine: {m['cpu_model']}, {m['cores_available']} cores available (torch threads {m['torch_threads']}, "
+        f"load average {_fmt(m.get('load_average_1min'), '.2f')} at the start), device {m['device']}; "
+        f"torch {m['torch']}, numpy {m['numpy']}; curvlab rev `{m['curvlab_revision']}`; {m['timestamp_utc']}.",
+        "",
+        f"| variant | sizes kept | {x} range | decades | fitted exponent | 95 % interval | expected | verdict |",
+        "|---|---:|---|---:|---:|---|---:|---|",
+    ]
+    body = [
+        f"| {r.variant} | {r.sizes_kept}/{r.sizes_total} | {_fmt(r.x_min, 'g')}–{_fmt(r.x_max, 'g')} | "
+        f"{_fmt(r.decades, '.2f')} | {_fmt(r.exponent, '.3f')} | [{_fmt(r.ci_low, '.3f')}, {_fmt(r.ci_high, '.3f')}] | "
+        f"{_fmt(r.expected, 'g')} | {r.verdict} |"
+        for r in fits.itertuples()
+    ]
+    pts = a["points"]
+    detail = ["", f"| variant | {x} | median time (ms) | IQR (ms) | in the fit |", "|---|---:|---:|---|---|"] + [
+        f"| {r.variant} | {_fmt(getattr(r, x), 'g')} | {_fmt(1e3 * r.median_time_s, '.3g')} | "
+        f"{_fmt(1e3 * r.q25_time_s, '.3g')}–{_fmt(1e3 * r.q75_time_s, '.3g')} | "
+        f"{'yes' if r.kept else 'no: ' + r.why} |"
+        for r in pts.itertuples()
+    ]
+    return "\n".join(head + body + detail) + "\n"
+
+
+def _scaling_figure(name: str, fits: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    pts, x = fits.attrs["points"], fits["x"].iloc[0]
+    fig, ax = plt.subplots(figsize=(5.2, 3.4), facecolor="white")
+    colours = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9"]
+    for k, fit in enumerate(fits.itertuples()):
+        c = colours[k % len(colours)]
+        g = pts[pts.variant == fit.variant]
+        keep = g[g.kept]
+        ax.errorbar(keep[x], keep.median_time_s, yerr=[keep.median_time_s - keep.q25_time_s,
+                    keep.q75_time_s - keep.median_time_s], fmt="o", color=c, ms=4, capsize=2,
+                    label=f"{fit.variant}: {_fmt(fit.exponent, '.2f')} (expected {_fmt(fit.expected, 'g')})")
+        out = g[~g.kept]
+        ax.plot(out[x], out.median_time_s, "o", mfc="none", color=c, ms=4)
+        if np.isfinite(fit.exponent) and len(keep) >= 2:
+            xs = np.geomspace(keep[x].min(), keep[x].max(), 20)
+            lx, ly = np.log(keep[x].to_numpy(float)), np.log(keep.median_time_s.to_numpy())
+            ax.plot(xs, np.exp(ly.mean() + fit.exponent * (np.log(xs) - lx.mean())), "-", color=c, lw=1)
+    ax.set(xscale="log", yscale="log", xlabel=x, ylabel="median time (s)", title=name)
+    ax.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, facecolor="white")
+    plt.close(fig)
+
+
+def write_scaling(name: str, fits: pd.DataFrame, *, results_dir: str | Path | None = None) -> tuple[Path, Path, Path]:
+    """Write ``<name>.json`` (machine, settings, points, fits), ``<name>.md`` and ``<name>.png``; return the paths."""
+    out = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    a = fits.attrs
+    payload = {"name": name, "kind": "scaling", "model": a["model"], "probe": a["probe"],
+               "overhead_factor": a["overhead_factor"], "min_sizes": MIN_SIZES, "min_decades": MIN_DECADES,
+               "machine": a["machine"], "settings": a["settings"],
+               "fits": json.loads(fits.to_json(orient="records")),
+               "points": json.loads(a["points"].to_json(orient="records"))}
+    paths = out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"
+    paths[0].write_text(json.dumps(payload, indent=1) + "\n")
+    paths[1].write_text(_scaling_markdown(name, fits))
+    _scaling_figure(name, fits, paths[2])
+    return paths

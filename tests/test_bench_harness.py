@@ -76,3 +76,42 @@ def test_bench_harness_bad_arguments(harness):
         harness.compare("toy", {}, SIZES, write=False)
     with pytest.raises(ValueError, match="sizes"):
         harness.compare("toy", VARIANTS, [{"time_s": 1}], write=False)
+
+
+def test_fit_exponent_recovers_a_known_power_and_the_rule_excludes_overhead(harness, tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    x = np.geomspace(100, 10_000, 6)
+    samples = [1e-9 * xv ** 2 * np.exp(rng.normal(0, 0.02, 7)) for xv in x]
+    fit = harness.fit_exponent(x, samples)
+    assert fit["ci_low"] <= 2.0 <= fit["ci_high"] and abs(fit["exponent"] - 2) < 0.05
+    assert fit["ci_low"] <= fit["boot_low"] and fit["ci_high"] >= fit["t_high"]
+    with pytest.raises(ValueError, match="sizes"):
+        harness.fit_exponent([1, 2], [[1.0], [2.0]])
+    # a frame as compare() makes it: the probe, two overhead-dominated sizes, then six asymptotic ones
+    rows = [{"benchmark": "toy", "variant": "v", "size": "n=1", "n": 1, "time_s": 1e-4, "repeat": k} for k in range(3)]
+    for n in [2, 5, *np.geomspace(100, 1000, 6)]:
+        t = max(1e-3, 1e-6 * n ** 2)
+        rows += [{"benchmark": "toy", "variant": "v", "size": f"n={n}", "n": n, "time_s": t * (1 + 0.01 * k),
+                  "repeat": k} for k in range(3)]
+    points, fits = harness.scaling_table(pd.DataFrame(rows), x="n", expected={"v": 2.0}, probe="n=1")
+    assert points.loc[points["n"] < 10, "kept"].eq(False).all() and points.loc[points["n"] >= 100, "kept"].sum() >= 5
+    (f,) = fits.itertuples()
+    assert f.valid and f.verdict == "consistent" and f.decades >= 1.0
+
+
+def test_scaling_writes_its_reports(harness, tmp_path):
+    fits = harness.scaling("toy_scaling", {"fill": lambda n: torch.ones(n, 64).sum()},
+                           [{"n": n} for n in (1000, 2000, 4000)], x="n", probe={"n": 1}, expected={"fill": 1.0},
+                           repeats=2, warmup=0, device="cpu", results_dir=tmp_path, model="toy.")
+    assert list(fits["variant"]) == ["fill"]
+    md = (tmp_path / "toy_scaling.md").read_text()
+    assert "fitted exponent" in md and "Machine:" in md and "probe size `n=1`" in md
+    payload = json.loads((tmp_path / "toy_scaling.json").read_text())
+    assert payload["kind"] == "scaling" and payload["overhead_factor"] == harness.OVERHEAD_FACTOR
+    assert (tmp_path / "toy_scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="x must"):
+        harness.scaling("toy_scaling", {"fill": lambda n: 0}, [{"n": 1}], x="m", probe={"n": 1}, expected={},
+                        write=False)

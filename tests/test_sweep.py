@@ -230,7 +230,7 @@ def test_changed_function_source_invalidates(tmp_path, monkeypatch):
 
 def test_changed_curvlab_source_invalidates(tmp_path, monkeypatch):
     run(one_row, grid(a=[1, 2]), tmp_path)
-    monkeypatch.setattr(sw, "_package_hash", lambda: "curvlab source changed")
+    monkeypatch.setattr(sw, "_package_hash", lambda modules=None: "curvlab source changed")
     assert n_computed(run(one_row, grid(a=[1, 2]), tmp_path)) == 2
     assert n_computed(run(one_row, grid(a=[1, 2]), tmp_path)) == 0
 
@@ -360,3 +360,54 @@ def test_bad_results_name_the_config_and_are_not_cached(tmp_path, result, error,
         run(lambda a: result, [{"a": 1}], tmp_path, name="bad")
     assert needle in str(info.value)
     assert not list(tmp_path.rglob("*.pkl"))
+
+
+# ------------------------------------------------------------------------ scoped code hash, cache-only reads
+
+
+def test_code_modules_scope_the_hash_and_compute_false_only_reads(tmp_path, monkeypatch):
+    configs = grid(a=[1, 2])
+    run(one_row, configs, tmp_path, name="scoped", code_modules=["sweep", "config"])
+    real = sw._package_hash
+    monkeypatch.setattr(sw, "_package_hash", lambda modules=None: real(modules) if modules else "other edit")
+    again = run(one_row, configs, tmp_path, name="scoped", code_modules=["sweep", "config"])
+    assert again["_cached"].all()  # an edit outside the listed modules keeps the cells
+    read = run(one_row, configs[:1], tmp_path, name="scoped", code_modules=["sweep", "config"], compute=False)
+    assert read["_cached"].all() and read["y"].tolist() == [1]
+    with pytest.raises(sw.MissingCells) as info:
+        run(one_row, grid(a=[1, 3]), tmp_path, name="scoped", code_modules=["sweep", "config"], compute=False)
+    assert info.value.done == 1 and info.value.missing == [{"a": 3}]
+    with pytest.raises(ValueError, match="code_modules"):
+        run(one_row, configs, tmp_path, code_modules=["no_such_module"])
+    with pytest.raises(TypeError, match="code_modules"):
+        run(one_row, configs, tmp_path, code_modules="sweep")
+    with pytest.raises(ValueError, match="compute=False"):
+        run(one_row, configs, False, compute=False)
+
+
+# ------------------------------------------------------------------------------ paper-scale registry
+
+
+def test_paper_runs_registry_run_and_load(tmp_path):
+    from curvlab import paper_runs
+
+    assert {"ch20_gn_flows", "ch21_regimes", "ch22_real_data", "ch30_mp_limit", "ch31_depth_law",
+            "ch32_leaky"} <= set(paper_runs.names())
+    for r in paper_runs.REGISTRY.values():
+        for prof in ("quick", "standard", "paper"):
+            cfgs = r.configs(prof)
+            assert cfgs and all(np.isfinite(r.flops(**c)) and r.flops(**c) > 0 for c in cfgs)
+    est = paper_runs.estimate("paper", flops_per_s=1e13)
+    assert (est["cells"] > 0).all() and (est["hours_at_rate"] > 0).all()
+    assert "MNIST" in est.set_index("name").loc["ch22_real_data", "data"]
+    with pytest.raises(sw.MissingCells, match="make sweeps PROFILE=quick ONLY=ch30_mp_limit"):
+        paper_runs.load("ch30_mp_limit", "quick", cache_dir=tmp_path)
+    frame = paper_runs.run("ch30_mp_limit", "quick", cache_dir=tmp_path, progress=False)
+    loaded = paper_runs.load("ch30_mp_limit", "quick", cache_dir=tmp_path)
+    assert loaded.frame["_cached"].all() and len(loaded.frame) == len(frame)
+    assert loaded.command == "make sweeps PROFILE=quick ONLY=ch30_mp_limit"
+    prov = loaded.provenance
+    assert len(prov) == 3 and prov["revision"].notna().all() and (prov["wall_s"] > 0).all()
+    assert set(prov["device"]) == {None} or prov["device"].notna().any()
+    with pytest.raises(ValueError, match="registered paper runs"):
+        paper_runs.get("ch99")

@@ -41,12 +41,30 @@ a half-written cell. Cells of superseded code stay on disk until :func:`clear_ca
 them. The default ``cache_dir`` is ``$CURVLAB_CACHE_DIR``, else ``.curvlab_cache`` at the root of the git checkout
 holding the working directory (else in the working directory itself).
 
-Parallelism
------------
-Cells run through :class:`joblib.Parallel` with ``n_jobs`` workers. ``backend=None`` uses joblib's active
-backend: ``loky`` (processes) by default, or whatever a surrounding ``joblib.parallel_config(backend=...)`` (a Dask
-or Ray backend, say) chooses, so a cluster runs the same call unchanged. Each worker writes its own cell as soon
-as it finishes, so an error or an interrupt loses only the cells still running.
+Parallelism and clusters
+------------------------
+Cells run through :class:`joblib.Parallel`. ``backend=None`` takes ``$CURVLAB_SWEEP_BACKEND`` when it is set, else
+joblib's active backend: ``loky`` (processes) by default, or whatever a surrounding
+``joblib.parallel_config(backend=...)`` chooses. So a notebook's unchanged ``sweep(fn, configs)`` runs on a cluster
+when the environment (or a context around the notebook's code) says so:
+
+``backend="dask"`` (or ``CURVLAB_SWEEP_BACKEND=dask``)
+    Dask distributed through joblib's ``dask`` backend, one cell per task. The client is, in this order: one
+    connected to ``$CURVLAB_DASK_SCHEDULER`` (``tcp://host:8786``); the default client of this process, if one
+    exists; else a ``distributed.LocalCluster`` of ``n_jobs`` worker *processes* (default: the usable cores)
+    on the loopback interface, started for this call and closed after it. Needs ``pip install "curvlab[cluster]"``.
+``backend="ray"`` (or ``CURVLAB_SWEEP_BACKEND=ray``)
+    Ray's joblib backend (``ray.util.joblib``); connects to ``$RAY_ADDRESS`` when set, else starts a local Ray for
+    the call. Needs ``pip install ray`` (not part of the extras).
+
+Each worker writes its own cell as soon as it finishes (on a cluster of several machines ``cache_dir`` must
+therefore be a shared path); the driver also writes every cell it receives that is not on its disk, so a
+worker that cannot reach the cache loses nothing either. An error or an interrupt, a worker killed mid-sweep
+included, therefore loses only the cells still running: when the cluster cannot finish (a worker died and
+Dask gave up on its task, the scheduler went away) :func:`sweep` raises :class:`SweepIncomplete`, saying how
+many cells are cached, and the same call run again computes only the missing ones. (Dask retries a task whose
+worker died up to ``distributed.scheduler.allowed-failures`` times, 3 by default, so a sweep usually survives a
+lost worker.) The progress bar counts completed/total cells, cached ones included.
 """
 
 from __future__ import annotations
@@ -77,9 +95,16 @@ from curvlab._validate import check_int
 from curvlab.config import git_revision
 from curvlab.progress import progress as progress_bar
 
-__all__ = ["CACHE_ENV", "CellError", "grid", "sweep", "default_cache_dir", "cache_info", "clear_cache"]
+__all__ = [
+    "CACHE_ENV", "BACKEND_ENV", "DASK_SCHEDULER_ENV", "CLUSTER_BACKENDS", "CellError", "SweepIncomplete",
+    "MissingCells", "grid",
+    "sweep", "default_cache_dir", "cache_info", "clear_cache",
+]
 
 CACHE_ENV = "CURVLAB_CACHE_DIR"
+BACKEND_ENV = "CURVLAB_SWEEP_BACKEND"
+DASK_SCHEDULER_ENV = "CURVLAB_DASK_SCHEDULER"
+CLUSTER_BACKENDS = ("dask", "ray")
 META_COLUMNS = ("_cached", "_wall_s")
 _SCALARS = (bool, int, float, str, type(None))
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -91,6 +116,32 @@ class CellError(RuntimeError):
     def __init__(self, message: str, config: dict[str, Any]):
         super().__init__(message, config)
         self.config = config
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class MissingCells(LookupError):
+    """``sweep(..., compute=False)`` found cells missing from the cache: ``.missing`` holds their configurations,
+    ``.done`` counts those present."""
+
+    def __init__(self, message: str, done: int, missing: list[dict[str, Any]]):
+        super().__init__(message, done, missing)
+        self.done, self.missing = done, missing
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class SweepIncomplete(RuntimeError):
+    """The sweep stopped before every cell finished, for a reason other than ``fn`` raising (a worker died and the
+    cluster gave up on its cell, the scheduler went away). ``.done`` cells are cached, ``.missing`` (their
+    configurations) are not; the same :func:`sweep` call run again computes only those. The original error is the
+    ``__cause__``."""
+
+    def __init__(self, message: str, done: int, total: int, missing: list[dict[str, Any]]):
+        super().__init__(message, done, total, missing)
+        self.done, self.total, self.missing = done, total, missing
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -203,9 +254,17 @@ def _sha(*parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-def _package_hash() -> str:
-    """Hash of every ``*.py`` file of the installed ``curvlab`` package (paths and contents)."""
+def _package_hash(modules: Sequence[str] | None = None) -> str:
+    """Hash of every ``*.py`` file of the installed ``curvlab`` package (paths and contents), or of ``modules``."""
     root = Path(__file__).resolve().parent
+    if modules is not None:
+        files = []
+        for module in sorted(set(modules)):
+            path = root / (module.removeprefix("curvlab.").replace(".", "/") + ".py")
+            if not path.is_file():
+                raise ValueError(f"code_modules names {module!r}, which is not a module file of curvlab ({path})")
+            files.append(path)
+        return _sha(*itertools.chain.from_iterable((p.relative_to(root).as_posix(), p.read_bytes()) for p in files))
     files = sorted(p for p in root.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(root).parts))
     return _sha(*itertools.chain.from_iterable((p.relative_to(root).as_posix(), p.read_bytes()) for p in files))
 
@@ -232,8 +291,10 @@ def _qualname(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
-def _code_hash(fn: Callable, name: str | None, code_version: str | None) -> str:
-    """Hash of the code a cell depends on: ``fn``, its module file, the curvlab package, ``code_version``."""
+def _code_hash(fn: Callable, name: str | None, code_version: str | None,
+               code_modules: Sequence[str] | None = None) -> str:
+    """Hash of the code a cell depends on: ``fn``, its module file, the curvlab package (or only
+    ``code_modules``), ``code_version``."""
     source = _function_source(fn)
     if source is None and (name is None or code_version is None):
         raise ValueError(
@@ -246,7 +307,7 @@ def _code_hash(fn: Callable, name: str | None, code_version: str | None) -> str:
         _qualname(fn),
         source or "",
         _sha(module) if module is not None else "",
-        _package_hash(),
+        _package_hash(code_modules),
         code_version or "",
     )
 
@@ -365,17 +426,26 @@ def _run_cell(fn: Callable, index: int, config: dict[str, Any], path: Path | Non
     except Exception as exc:
         raise CellError(f"fn failed for {where}: {type(exc).__name__}: {exc}", config) from exc
     wall_s = time.perf_counter() - start
-    rows = _normalise(result, where, config)
+    try:
+        rows = _normalise(result, where, config)
+    except (TypeError, ValueError) as exc:
+        exc.curvlab_cell_error = True  # fn's fault, not the backend's: sweep re-raises it as it is
+        raise
+    provenance = None
     if path is not None:
         provenance = {
             **meta,
             "config": config,
             "device": _device_of(rows),
+            "host": platform.node(),
             "wall_s": wall_s,
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        _write_atomic(path, {"rows": rows, "provenance": provenance})
-    return index, rows, wall_s
+        try:
+            _write_atomic(path, {"rows": rows, "provenance": provenance})
+        except OSError:  # a worker that cannot reach the cache folder: the driver writes the cell
+            pass
+    return index, rows, wall_s, provenance
 
 
 # ------------------------------------------------------------------------------------------ frames
@@ -427,17 +497,27 @@ def _check_configs(configs: Any) -> tuple[list[dict[str, Any]], list[str]]:
     return [dict(config) for config in configs], keys
 
 
-def _check_options(fn: Any, n_jobs: Any, backend: Any, progress: Any, name: Any, code_version: Any) -> int:
+def _check_backend(backend: Any, where: str = "backend") -> str | None:
+    if backend is None:
+        return None
+    from joblib.parallel import BACKENDS, EXTERNAL_BACKENDS
+
+    if not isinstance(backend, str):
+        raise TypeError(f"{where} must be a joblib backend name or None, got {type(backend).__name__}")
+    known = {*BACKENDS, *EXTERNAL_BACKENDS, *CLUSTER_BACKENDS}
+    if backend not in known:
+        raise ValueError(f"{where} must be None or a joblib backend {sorted(known)}, got {backend!r}")
+    return backend
+
+
+def _check_options(fn: Any, n_jobs: Any, backend: Any, progress: Any, name: Any, code_version: Any) -> int | None:
     if not callable(fn):
         raise TypeError(f"fn must be callable (a function of the configuration's keys), got {type(fn).__name__}")
-    n_jobs = check_int("n_jobs", n_jobs, min_value=1)
-    if backend is not None:
-        from joblib.parallel import BACKENDS
-
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a joblib backend name or None, got {type(backend).__name__}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be None or a registered joblib backend {sorted(BACKENDS)}, got {backend!r}")
+    if n_jobs is not None:
+        n_jobs = check_int("n_jobs", n_jobs, min_value=-1)
+        if n_jobs == 0:
+            raise ValueError("n_jobs must be >= 1, -1 (every core or worker) or None (joblib's choice), got 0")
+    _check_backend(backend)
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
     if name is not None and (not isinstance(name, str) or not _NAME_RE.match(name) or set(name) == {"."}):
@@ -447,16 +527,176 @@ def _check_options(fn: Any, n_jobs: Any, backend: Any, progress: Any, name: Any,
     return n_jobs
 
 
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _active_dask_client() -> Any:
+    """The client of an active ``joblib.parallel_config(backend="dask")`` context, else ``None``."""
+    try:
+        from joblib.parallel import get_active_backend
+
+        active, _ = get_active_backend()
+    except Exception:  # pragma: no cover - joblib without the helper
+        return None
+    return getattr(active, "client", None) if type(active).__name__ == "DaskDistributedBackend" else None
+
+
+@contextlib.contextmanager
+def _dask_client(n_jobs: int | None, client: Any = None):
+    """A ``distributed.Client``: ``client``, one to ``$CURVLAB_DASK_SCHEDULER``, the default one, or a loopback
+    LocalCluster of ``n_jobs`` worker processes started for this call."""
+    if client is not None:
+        yield client
+        return
+    try:
+        import distributed
+    except ImportError as exc:
+        raise ImportError('backend="dask" needs dask.distributed: pip install "curvlab[cluster]"') from exc
+    owned: list[Any] = []
+    address = os.environ.get(DASK_SCHEDULER_ENV, "").strip()
+    if address:
+        client = distributed.Client(address, set_as_default=False)
+        owned.append(client)
+    else:
+        try:
+            client = distributed.get_client()
+        except ValueError:  # no client in this process: a local cluster of worker processes, loopback only
+            workers = n_jobs if n_jobs is not None and n_jobs > 0 else _usable_cores()
+            cluster = distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                               host="127.0.0.1", dashboard_address="127.0.0.1:0")
+            client = distributed.Client(cluster, set_as_default=False)
+            owned += [client, cluster]
+    try:
+        yield client
+    finally:
+        for thing in owned:
+            with contextlib.suppress(Exception):
+                thing.close()
+
+
+@contextlib.contextmanager
+def _backend_context(backend: str | None, n_jobs: int | None):
+    """The joblib configuration cells run under (not Dask's: see :func:`_compute_dask`); yields the ``n_jobs`` to
+    hand to :class:`joblib.Parallel`."""
+    import joblib
+
+    if backend == "ray":
+        try:
+            import ray
+            from ray.util.joblib import register_ray
+        except ImportError as exc:
+            raise ImportError('backend="ray" needs ray: pip install "ray[default]"') from exc
+        register_ray()
+        started = not ray.is_initialized()
+        if started:  # $RAY_ADDRESS, when set, names a running cluster; else a local Ray for this call
+            ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+                     **({} if os.environ.get("RAY_ADDRESS") else {"num_cpus": n_jobs if n_jobs and n_jobs > 0 else None}))
+        try:
+            with joblib.parallel_config(backend="ray"):
+                yield -1 if n_jobs is None else n_jobs
+        finally:
+            if started:
+                ray.shutdown()
+    elif backend is not None:
+        with joblib.parallel_config(backend=backend):
+            yield n_jobs
+    else:
+        yield n_jobs
+
+
+def _parallel(n_jobs: int | None, batch_size: Any) -> Parallel:
+    """A :class:`joblib.Parallel` yielding cells as they finish, or all at the end where the backend cannot."""
+    try:
+        return Parallel(n_jobs=n_jobs, batch_size=batch_size, return_as="generator_unordered")
+    except ValueError as exc:  # Ray's backend (a multiprocessing pool) returns lists only
+        if "return_as" not in str(exc):
+            raise
+        return Parallel(n_jobs=n_jobs, batch_size=batch_size, return_as="list")
+
+
+def _compute_dask(client, fn, configs, paths, todo, meta, *, show, desc, receive) -> list[tuple[int, BaseException]]:
+    """Run the cells as Dask futures, one task per cell; return the cells the cluster lost, with the reason.
+
+    Cells go to Dask directly rather than through joblib's ``dask`` backend: that backend never completes a task
+    that Dask gave up on (a worker died while running it more than ``allowed-failures`` times), so joblib would
+    wait for it forever (joblib 1.6). Here such a cell is reported, the others run to the end, and an error of
+    ``fn`` itself cancels what is still queued and is raised as it is.
+    """
+    from uuid import uuid4
+
+    from distributed import as_completed
+
+    tag = uuid4().hex[:8]
+    futures = {client.submit(_run_cell, fn, i, configs[i], paths[i], meta, key=f"curvlab-sweep-{desc}-{i}-{tag}",
+                             pure=False): i for i in todo}
+    stream = as_completed(list(futures), loop=client.loop, with_results=True, raise_errors=False)
+    if show:
+        stream = progress_bar(stream, total=len(configs), desc=desc, initial=len(configs) - len(todo))
+    lost = []
+    for future, result in stream:
+        if future.status == "finished":
+            receive(*result)
+            future.release()  # else Dask recomputes a received cell whose worker dies later, to keep it in memory
+            continue
+        exc = result[1] if isinstance(result, tuple) and len(result) == 3 else result
+        if not isinstance(exc, BaseException):
+            exc = RuntimeError(f"Dask task {future.key} ended with status {future.status!r}")
+        if isinstance(exc, CellError) or getattr(exc, "curvlab_cell_error", False):
+            client.cancel(list(futures))
+            raise exc
+        lost.append((futures[future], exc))
+    return lost
+
+
 def _compute(fn, configs, paths, todo, meta, *, n_jobs, backend, show, desc) -> dict[int, tuple[Any, float]]:
-    """Run the missing cells ``todo`` through joblib, ticking a bar as each one finishes."""
+    """Run the missing cells ``todo``, ticking a bar of completed/total cells as each one finishes."""
     if not todo:
         return {}
-    options = {} if backend is None else {"backend": backend}
-    parallel = Parallel(n_jobs=min(n_jobs, len(todo)), return_as="generator_unordered", **options)
-    results = parallel(delayed(_run_cell)(fn, i, configs[i], paths[i], meta) for i in todo)
-    if show:
-        results = progress_bar(results, total=len(configs), desc=desc, initial=len(configs) - len(todo))
-    return {i: (rows, wall_s) for i, rows, wall_s in results}
+    if isinstance(n_jobs, int) and n_jobs > 0:
+        n_jobs = min(n_jobs, len(todo))
+    done: dict[int, tuple[Any, float]] = {}
+
+    def receive(i, rows, wall_s, provenance):
+        if paths[i] is not None and provenance is not None and not paths[i].exists():
+            _write_atomic(paths[i], {"rows": rows, "provenance": provenance})  # the worker could not write it
+        done[i] = (rows, wall_s)
+
+    context_client = _active_dask_client() if backend is None else None
+    lost: list[tuple[int, BaseException]] = []
+    try:
+        if backend == "dask" or context_client is not None:
+            backend = "dask"
+            with _dask_client(n_jobs, context_client) as client:
+                lost = _compute_dask(client, fn, configs, paths, todo, meta, show=show, desc=desc, receive=receive)
+        else:
+            with _backend_context(backend, n_jobs) as jobs:
+                # cells are long: one per task on a cluster, so a lost worker takes one cell with it, not a batch
+                parallel = _parallel(jobs, 1 if backend in CLUSTER_BACKENDS else "auto")
+                results = parallel(delayed(_run_cell)(fn, i, configs[i], paths[i], meta) for i in todo)
+                if show:
+                    results = progress_bar(results, total=len(configs), desc=desc, initial=len(configs) - len(todo))
+                for result in results:
+                    receive(*result)
+    except CellError:
+        raise
+    except Exception as exc:
+        if getattr(exc, "curvlab_cell_error", False):
+            raise
+        lost = [(-1, exc)]
+    if lost:
+        cause = lost[0][1]
+        caching = paths[0] is not None
+        cached = sum(1 for p in paths if p is not None and p.exists()) if caching else len(done)
+        missing = [configs[i] for i in todo if i not in done and (paths[i] is None or not paths[i].exists())]
+        where = f"on the {backend} backend" if backend else "in joblib"
+        raise SweepIncomplete(
+            f"sweep {desc!r} did not finish {where}: {type(cause).__name__}: {cause}. {cached} of {len(configs)} "
+            f"cells are {'cached' if caching else 'finished'}, {len(missing)} missing"
+            + ("; run the same call again to compute only the missing ones" if caching else ""),
+            cached, len(configs), missing,
+        ) from cause
+    return done
 
 
 def sweep(
@@ -464,11 +704,13 @@ def sweep(
     configs: Sequence[Mapping[str, Any]],
     *,
     cache_dir: str | os.PathLike | None | bool = None,
-    n_jobs: int = 1,
+    n_jobs: int | None = None,
     backend: str | None = None,
     progress: bool = True,
     name: str | None = None,
     code_version: str | None = None,
+    code_modules: Sequence[str] | None = None,
+    compute: bool = True,
 ) -> pd.DataFrame:
     """Run ``fn(**config)`` for every configuration and collect the results in one tidy frame.
 
@@ -483,17 +725,27 @@ def sweep(
     cache_dir
         Folder of the on-disk cache; ``None`` for :func:`default_cache_dir`, ``False`` for no cache.
     n_jobs
-        Number of parallel workers (``>= 1``); ``1`` runs in this process.
+        Cells run at once (``>= 1``, or ``-1`` for every core); ``None``: joblib's choice, which is ``1`` (in this
+        process) unless a ``joblib.parallel_config`` context sets it, and every worker on a cluster backend. For
+        ``backend="dask"`` without a running cluster it is the number of local worker processes started.
     backend
-        A joblib backend name (``"loky"``, ``"threading"``, ``"sequential"``, or one registered by Dask or Ray);
-        ``None`` uses joblib's active backend, ``loky`` unless a ``joblib.parallel_config`` context says otherwise.
+        A joblib backend name: ``"loky"``, ``"threading"``, ``"sequential"``, ``"dask"``, ``"ray"`` (see the module
+        notes) or another registered one. ``None``: ``$CURVLAB_SWEEP_BACKEND`` if set, else joblib's active
+        backend, ``loky`` unless a ``joblib.parallel_config`` context says otherwise.
     progress
-        Show a bar of completed/total cells (never during a book build, see :mod:`curvlab.progress`).
+        Show a bar of completed/total cells, cached ones included (never during a book build, see
+        :mod:`curvlab.progress`).
     name
         Cache folder for this experiment; default ``fn``'s ``module.qualname`` (``__main__.<fn>`` in a notebook,
         so pass a chapter-specific name there to tell experiments apart in :func:`cache_info`).
     code_version
         Extra string in the cache key: change it when something the hash cannot see changes (see module notes).
+    code_modules
+        Hash only these ``curvlab`` modules (``"meanfield"``, ...) besides ``fn`` and its module, instead of the whole
+        package: for long runs (:mod:`curvlab.paper_runs`) that an edit elsewhere in the library must not
+        invalidate. The modules ``fn`` uses are then the caller's to list.
+    compute
+        ``False``: only read the cache, raising :class:`MissingCells` when a cell is not there.
 
     Returns
     -------
@@ -505,6 +757,9 @@ def sweep(
     ------
     CellError
         ``fn`` raised for a configuration (named in the message); cells finished before stay cached.
+    SweepIncomplete
+        The backend failed (a worker died and the cluster gave up on its cell, say); finished cells stay cached,
+        and running the same call again computes only the missing ones.
 
     Examples
     --------
@@ -516,18 +771,29 @@ def sweep(
     1  2  4
     """
     n_jobs = _check_options(fn, n_jobs, backend, progress, name, code_version)
+    if backend is None:
+        backend = _check_backend(os.environ.get(BACKEND_ENV, "").strip() or None, f"${BACKEND_ENV}")
     configs, keys = _check_configs(configs)
     root = _resolve_cache_dir(cache_dir)
     label = name or _default_name(fn)
     paths: list[Path | None] = [None] * len(configs)
     found: dict[int, dict[str, Any]] = {}
     meta: dict[str, Any] = {}
+    if code_modules is not None and (isinstance(code_modules, str) or not all(isinstance(m, str) for m in code_modules)):
+        raise TypeError("code_modules must be a list of curvlab module names, e.g. ['meanfield', 'config']")
+    if not isinstance(compute, bool):
+        raise TypeError(f"compute must be a bool, got {type(compute).__name__}")
+    if not compute and root is None:
+        raise ValueError("compute=False reads the cache, so cache_dir must not be False")
     if root is not None:
-        code = _code_hash(fn, name, code_version)
+        code = _code_hash(fn, name, code_version, code_modules)
         paths = [root / label / f"{_sha(key, code)[:32]}.pkl" for key in keys]
         found = {i: cell for i, path in enumerate(paths) if (cell := _load_cell(path)) is not None}
         meta = {"name": label, "code_hash": code, "code_version": code_version}
     todo = [i for i in range(len(configs)) if i not in found]
+    if todo and not compute:
+        raise MissingCells(f"{len(todo)} of {len(configs)} cells of {label!r} are not in the cache {root}",
+                           len(found), [configs[i] for i in todo])
     if todo and root is not None:
         meta |= {"revision": git_revision(), "torch": torch.__version__, "python": platform.python_version()}
     computed = _compute(fn, configs, paths, todo, meta, n_jobs=n_jobs, backend=backend, show=progress, desc=label)
@@ -562,10 +828,10 @@ def cache_info(cache_dir: str | os.PathLike | None = None, name: str | None = No
     """One row per cached cell with its provenance (for all experiments, or only ``name``'s).
 
     Columns: ``name``, ``key``, ``bytes``, ``config`` (JSON), ``code_hash``, ``code_version``, ``revision``,
-    ``torch``, ``device``, ``wall_s``, ``timestamp``. Cells of superseded code show an old ``code_hash``.
+    ``torch``, ``device``, ``host``, ``wall_s``, ``timestamp``. Cells of superseded code show an old ``code_hash``.
     """
     columns = ["name", "key", "bytes", "config", "code_hash", "code_version", "revision", "torch", "device",
-               "wall_s", "timestamp"]
+               "host", "wall_s", "timestamp"]
     records = []
     for path in _cell_files(cache_dir, name):
         cell = _load_cell(path)

@@ -1,0 +1,374 @@
+r"""Paper-scale runs: the registry of each chapter's grid, run outside the book build into the sweep cache.
+
+A chapter in the ``paper`` profile does not run its largest grid inside the Sphinx build: ``make sweeps
+PROFILE=paper`` (``tools/run_sweeps.py``) runs every registered grid into the :mod:`curvlab.sweep` cache, on
+whatever the environment provides (a GPU, a Dask or Ray cluster: ``CURVLAB_SWEEP_BACKEND``), and the chapter
+reads the tidy frame back with :func:`load`, which also returns the command that regenerates it::
+
+    runs = paper_runs.load("ch21_regimes")          # the frame, its provenance and the command
+    print(runs.command)                             # make sweeps PROFILE=paper ONLY=ch21_regimes
+
+One :class:`PaperRun` per chapter grid: a pure cell function of one configuration (seeds are a batch inside a
+cell, so a cell is one batched computation on the device), its configurations in each profile, a **cost model**
+(floating-point operations of one cell, every run taken to its iteration cap, so an upper bound) and the external
+data sets a full reproduction needs. :func:`estimate` turns the cost model into a table; ``book/paper_scale.md``
+gives the measured times. The ``quick`` and ``standard`` grids are the same computations at reduced sizes (what
+``make sweeps PROFILE=quick`` runs, and what the page's CPU times were measured on).
+
+Each cell carries provenance (:func:`curvlab.sweep.cache_info`: configuration, code hash, git revision, torch,
+device, host, wall time). The cache key covers the cell function, this module and the chapter's module
+(``code_modules``), not the whole library, so an edit to an unrelated module does not throw away GPU-hours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import pandas as pd
+import torch
+
+from . import config, sweep as _sweep
+
+__all__ = ["PaperRun", "Loaded", "REGISTRY", "names", "get", "load", "run", "estimate", "command"]
+
+_PROFILES = ("quick", "standard", "paper")
+_COMMON = ("paper_runs", "config", "_validate", "sweep")
+
+
+# =============================================================================================== the registry
+@dataclass(frozen=True)
+class PaperRun:
+    """One chapter's grid: ``fn(**config)`` over ``grids[profile]()``, with a cost model and its data sets."""
+
+    name: str
+    chapter: str
+    title: str
+    fn: Callable[..., Any]
+    grids: Mapping[str, Callable[[], list[dict[str, Any]]]]
+    flops: Callable[..., float]
+    modules: tuple[str, ...]
+    data: tuple[str, ...] = ()
+    note: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def configs(self, profile: str | None = None) -> list[dict[str, Any]]:
+        """The grid of ``profile`` (default: ``$CURVLAB_PROFILE``)."""
+        prof = config.profile() if profile is None else profile
+        if prof not in _PROFILES:
+            raise ValueError(f"profile must be one of {_PROFILES}, got {prof!r}")
+        return self.grids[prof]()
+
+    def cache_name(self, profile: str | None = None) -> str:
+        return f"paper_runs.{self.name}"
+
+    def command(self, profile: str = "paper") -> str:
+        return command(self.name, profile)
+
+
+class Loaded(NamedTuple):
+    """What :func:`load` returns: the tidy ``frame``, each cell's ``provenance`` and the regenerating ``command``."""
+
+    frame: pd.DataFrame
+    provenance: pd.DataFrame
+    command: str
+
+
+def _device() -> torch.device:
+    return config.device()
+
+
+# ----------------------------------------------------------------------------------- chapter 20: GN flows
+def ch20_gn_flows(act: str, n: int, m: int, init_std: float, damping: str, floor: float, seeds: list,
+                  eta: float, max_steps: int, rel_tol: float) -> pd.DataFrame:
+    """GN on the mean-field network with constant or adaptive damping, every step recorded with its spectrum."""
+    from . import meanfield as mf
+
+    dev = _device()
+    data = mf.teacher_student(seeds, act=act, n=n, n_test=10, device=dev)
+    p0 = mf.init_student(m, 10, init_std=init_std, seeds=seeds, device=dev)
+    rule = mf.Damping.adaptive(floor) if damping == "adaptive" else mf.Damping.constant(floor)
+    run = mf.train(p0, data, method="GN", lr=eta * n, damping=rule, max_steps=max_steps, rel_tol=rel_tol,
+                   record_every=1, spectrum=True, metrics=False)
+    return run.history.drop(columns=["eta"]).assign(device=str(dev))  # eta: a configuration key
+
+
+def _gn_step_flops(n: int, m: int, d: int, d_y: int = 1) -> float:
+    """One kernel-form GN step (meanfield): Gram products 4 N^2 m (N = n d_y), features and J^T z, eigh 9 N^3."""
+    N = n * d_y
+    return 4 * N * N * m + 6 * n * m * d + 9 * N ** 3 + N ** 3 / 3
+
+
+def _gd_step_flops(n: int, m: int, d: int, d_y: int = 1) -> float:
+    return 6 * n * m * (d + d_y)
+
+
+def _ch20_grid(n, m, seeds, steps, floor_steps):
+    base = {"act": "silu", "n": n, "m": m, "seeds": list(range(seeds)), "eta": 0.02, "rel_tol": 1e-8}
+    flows = [{"init_std": 1.0, "damping": dmp, "floor": fl, "max_steps": steps}
+             for dmp, fl in (("adaptive", 1e-7), ("constant", 1e-9))]
+    floors = [{"init_std": s, "damping": "adaptive", "floor": fl, "max_steps": floor_steps}
+              for s in (0.01, 0.1, 1.0) for fl in (1e-7, 1e-10)]
+    unique = {json.dumps(c, sort_keys=True): c for c in flows + floors}  # quick: a flow run is also a floor run
+    return [{**base, **c} for c in unique.values()]
+
+
+def _ch20_flops(n, m, seeds, max_steps, **_):
+    return len(seeds) * max_steps * _gn_step_flops(n, m, 10)
+
+
+# -------------------------------------------------------------------------- chapter 21: hidden learning
+def ch21_regimes(act: str, init_std: float, method: str, lr: float | None, n: int, m: int, n_test: int,
+                 seeds: list, max_steps: int, rel_tol: float) -> pd.DataFrame:
+    """GN or GD at step ``lr`` (or random features) from sigma_0 = ``init_std``: the last row of each seed."""
+    from . import meanfield as mf
+
+    dev = _device()
+    data = mf.teacher_student(seeds, act=act, n=n, n_test=n_test, device=dev)
+    p0 = mf.init_student(m, 10, init_std=init_std, seeds=seeds, device=dev)
+    if method == "RF":
+        rf = mf.random_features(p0, data.X, data.Y, act)
+        return pd.DataFrame({"seed": range(len(seeds)), "status": "exact",
+                             "test_loss": mf.loss(rf, data.X_test, data.Y_test, act).cpu().numpy(),
+                             "wcd": mf.wcd(rf.W, data.teacher.W).cpu().numpy(), "device": str(dev)})
+    run = mf.train(p0, data, method=method, lr=lr, max_steps=max_steps, rel_tol=rel_tol, n_records=15)
+    last = run.history.groupby("seed").tail(1).reset_index(drop=True)
+    return last.drop(columns=["method", "lr"], errors="ignore").assign(device=str(dev))
+
+
+def _ch21_grid(n, m, n_test, seeds, cap_gn, cap_gd, stds, lrs):
+    from . import meanfield as mf
+
+    G = mf.GRIDS["teacher_student"]
+    stds = G["init_std"] if stds is None else stds
+    lrs = G["lr_paper"] if lrs is None else lrs
+    methods = ([{"method": "GN", "lr": lr, "max_steps": cap_gn} for lr in lrs]
+               + [{"method": "GD", "lr": lr, "max_steps": cap_gd} for lr in lrs]
+               + [{"method": "RF", "lr": None, "max_steps": 0}])
+    return _sweep.grid(methods, act=list(G["activations"]), init_std=list(stds), n=[n], m=[m], n_test=[n_test],
+                       seeds=[list(range(seeds))], rel_tol=[G["rel_tol"]])
+
+
+def _ch21_flops(method, n, m, seeds, max_steps, **_):
+    S = len(seeds)
+    if method == "RF":
+        return S * (2 * n * m * m + m ** 3)
+    step = _gn_step_flops(n, m, 10) if method == "GN" else _gd_step_flops(n, m, 10)
+    return S * max_steps * step
+
+
+# ------------------------------------------------------------------------------- chapter 22: real data
+def ch22_real_data(dataset: str, method: str, lr: float, n: int, m: int, n_test: int, seeds: list,
+                   init_std: float, max_steps: int, loss_stop: float) -> pd.DataFrame:
+    """The review's MNIST protocol (one hidden layer, squared loss on 10 logits, init std 1e-3, a cap or train loss
+    below ``loss_stop``) on scikit-learn's digits or on MNIST (IDX files under ``$CURVLAB_MNIST_DIR``)."""
+    from . import meanfield as mf
+
+    dev = _device()
+    if dataset == "mnist":
+        data = mf.mnist_data(seeds, n=n, n_test=n_test, act="silu", device=dev)
+    else:
+        data = mf.load_digits_data(seeds, n=n, n_test=n_test, act="silu", device=dev)
+    p0 = mf.init_student(m, data.X.shape[-1], init_std=init_std, seeds=seeds, d_y=10, device=dev)
+    run = mf.train(p0, data, method=method, lr=lr, max_steps=max_steps, rel_tol=0.0, loss_stop=loss_stop,
+                   n_records=10)
+    last = run.history.groupby("seed").tail(1).reset_index(drop=True)
+    return last.drop(columns=["method", "lr"], errors="ignore").assign(device=str(dev))
+
+
+def _ch22_grid(datasets, n, m, n_test, seeds, cap):
+    from . import meanfield as mf
+
+    D = mf.GRIDS["digits"]
+    return _sweep.grid(dataset=list(datasets), method=["GN", "GD"], lr=list(D["lr_paper"]), n=[n], m=[m],
+                       n_test=[n_test], seeds=[list(range(seeds))], init_std=[D["init_std"]], max_steps=[cap],
+                       loss_stop=[D["train_loss_stop"]])
+
+
+def _ch22_flops(dataset, method, n, m, seeds, max_steps, **_):
+    d = 784 if dataset == "mnist" else 61
+    step = _gn_step_flops(n, m, d, 10) if method == "GN" else _gd_step_flops(n, m, d, 10)
+    return len(seeds) * max_steps * step
+
+
+# ------------------------------------------------------------------- chapters 30-32: GN conditioning
+def ch30_mp_limit(scale: int, R: int, seed: int) -> pd.DataFrame:
+    """kappa(GN) of f = VWx, (d, d_y, m) = (16, 4, 32) * scale, R networks: the Marchenko-Pastur extrapolation."""
+    from . import deep_linear as dl
+
+    gen = torch.Generator().manual_seed(seed)
+    W, V = dl.init_weights(16 * scale, [32 * scale], 4 * scale, batch=(R,), generator=gen)
+    sV, sW = torch.linalg.svdvals(V) ** 2, torch.linalg.svdvals(W) ** 2
+    kappa = (sV[:, 0] + sW[:, 0]) / (sV[:, -1] + sW[:, -1])
+    return pd.DataFrame({"m": 32 * scale, "net": range(R), "kappa": kappa.numpy(),
+                         "mp_limit": dl.mp_kappa_two_layer(16, 4, 32)})
+
+
+def ch31_depth_law(depths: list, R: int, seed: int) -> pd.DataFrame:
+    """log kappa(GN) of nested deep linear networks (d = 4, m = 8, d_y = 2) against depth, by the SVD route."""
+    from . import deep_linear as dl
+
+    gen = torch.Generator().manual_seed(seed)
+    nets = dl.nested_networks(4, 8, 2, depths, batch=(R,), generator=gen)
+    rows = []
+    for L in depths:
+        k = dl.gn_condition(nets[L], method="svd").kappa
+        rows += [{"L": L, "net": i, "log_kappa": float(v)} for i, v in enumerate(k.log())]
+    return pd.DataFrame(rows).assign(xi=dl.depth_slope(8, 4, 2))
+
+
+def ch32_leaky(m: int, R: int, n_images: int, seed: int) -> pd.DataFrame:
+    """kappa of the leaky-ReLU GN Gram matrix on digits, with the chapter's bound, over slopes alpha."""
+    from . import deep_linear as dl
+
+    gen = torch.Generator().manual_seed(seed)
+    X = dl.digits(n_images, seed=2)[0]
+    rows = []
+    for net in range(R):
+        W, V = dl.init_weights(X.shape[1], [m], 10, scheme="kaiming", generator=gen)
+        for a in (0.01, 0.03, 0.1, 0.3, 1.0):
+            c = dl.condition(torch.linalg.eigvalsh(dl.leaky_relu_gram(W, V, X, a)))
+            rows.append({"net": net, "alpha": a, "kappa": float(c.kappa), "rank": c.rank,
+                         "bound": float(dl.leaky_relu_bound(W, V, X, a))})
+    return pd.DataFrame(rows)
+
+
+def _ch30_flops(scale, R, **_):
+    d, m = 16 * scale, 32 * scale
+    return R * 2 * 4 * (m * d * d + m * (4 * scale) ** 2)  # two thin SVDs (about 4 m k^2 each)
+
+
+def _ch31_flops(depths, R, **_):
+    return R * sum(L * 8 ** 2 * 6 + (8 * L) ** 2 * 8 * 4 for L in depths)  # QR products + SVD of the factor
+
+
+def _ch32_flops(m, R, n_images, **_):
+    N = 10 * n_images
+    return R * 5 * (N * N * m * 2 + 9 * N ** 3)
+
+
+# ------------------------------------------------------------------------------------------- the table
+def _registry() -> dict[str, PaperRun]:
+    runs = [
+        PaperRun("ch20_gn_flows", "20_meanfield_gn_flows",
+                 "GN with adaptive and constant damping, and the damping-floor runs (sigma_0 x floor)",
+                 ch20_gn_flows,
+                 {"quick": lambda: _ch20_grid(64, 128, 2, 300, 300),
+                  "standard": lambda: _ch20_grid(100, 400, 4, 1200, 3000),
+                  "paper": lambda: _ch20_grid(500, 5000, 5, 1200, 3000)},
+                 _ch20_flops, ("meanfield",),
+                 note="every step records the spectrum of K (an n x n eigenvalue problem)"),
+        PaperRun("ch21_regimes", "21_meanfield_hidden_learning",
+                 "GN, GD (7 step sizes each) and random features over the 7 initial scales, ReLU and SiLU",
+                 ch21_regimes,
+                 {"quick": lambda: _ch21_grid(40, 80, 500, 2, 300, 300, (0.01, 1.0, 10.0), (1.0, 10.0)),
+                  "standard": lambda: _ch21_grid(64, 128, 2000, 3, 800, 800, None, (0.1, 1.0, 10.0, 100.0)),
+                  "paper": lambda: _ch21_grid(500, 5000, 10_000, 5, 150_000, 1_000_000, None, None)},
+                 _ch21_flops, ("meanfield",),
+                 note="caps are the paper's (150 000 GN, 10^6 GD iterations); most GN runs stop far earlier"),
+        PaperRun("ch22_real_data", "22_meanfield_real_data",
+                 "the review's MNIST table: GN and GD at 7 step sizes, digits and MNIST",
+                 ch22_real_data,
+                 {"quick": lambda: _ch22_grid(("digits",), 30, 48, 500, 2, 60),
+                  "standard": lambda: _ch22_grid(("digits",), 40, 64, 1000, 3, 150),
+                  "paper": lambda: _ch22_grid(("digits", "mnist"), 1000, 2000, 10_000, 5, 100_000)},
+                 _ch22_flops, ("meanfield",), data=("MNIST (IDX files, $CURVLAB_MNIST_DIR)",),
+                 note="GN's kernel is (10 n) x (10 n): 10 000 x 10 000 at n = 1000"),
+        PaperRun("ch30_mp_limit", "30_gn_conditioning_structure",
+                 "kappa(GN) of two-layer linear networks towards the Marchenko-Pastur limit",
+                 ch30_mp_limit,
+                 {"quick": lambda: _sweep.grid(scale=[4, 8, 16], R=[32], seed=[0]),
+                  "standard": lambda: _sweep.grid(scale=[4, 8, 12, 16, 24], R=[48], seed=[0]),
+                  "paper": lambda: _sweep.grid(scale=[4, 8, 16, 32, 64], R=[96], seed=[0])},
+                 _ch30_flops, ("deep_linear",)),
+        PaperRun("ch31_depth_law", "31_gn_conditioning_factors",
+                 "log kappa(GN) against depth of nested deep linear networks (the depth law)",
+                 ch31_depth_law,
+                 {"quick": lambda: _sweep.grid(depths=[list(range(32, 129, 16))], R=[32], seed=[0]),
+                  "standard": lambda: _sweep.grid(depths=[list(range(32, 193, 16))], R=[96], seed=[0]),
+                  "paper": lambda: _sweep.grid(depths=[list(range(32, 257, 8))], R=[256], seed=[0])},
+                 _ch31_flops, ("deep_linear",), data=("CIFAR-10 (the paper's whitening experiment, width 3100)",),
+                 note="the paper's CIFAR-10 networks are not reproduced by this grid (digits stand in)"),
+        PaperRun("ch32_leaky", "32_gn_conditioning_leaky_relu",
+                 "kappa of the leaky-ReLU GN matrix on digits over width and slope, with the bound",
+                 ch32_leaky,
+                 {"quick": lambda: _sweep.grid(m=[8, 16, 64, 256], R=[3], n_images=[24], seed=[0]),
+                  "standard": lambda: _sweep.grid(m=[8, 12, 16, 32, 64, 128, 256], R=[8], n_images=[24], seed=[0]),
+                  "paper": lambda: _sweep.grid(m=[8, 12, 16, 32, 64, 128, 256, 512], R=[20], n_images=[24],
+                                               seed=[0])},
+                 _ch32_flops, ("deep_linear",)),
+    ]
+    return {r.name: r for r in runs}
+
+
+#: Every registered paper-scale grid, by name (one per chapter grid).
+REGISTRY: dict[str, PaperRun] = _registry()
+
+
+def names() -> list[str]:
+    return list(REGISTRY)
+
+
+def get(name: str) -> PaperRun:
+    if name not in REGISTRY:
+        raise ValueError(f"name must be one of the registered paper runs {names()}, got {name!r}")
+    return REGISTRY[name]
+
+
+def command(name: str, profile: str = "paper") -> str:
+    """The shell command that (re)generates ``name``'s cells in ``profile``, from the repository root."""
+    get(name)
+    return f"make sweeps PROFILE={profile} ONLY={name}"
+
+
+def run(name: str, profile: str | None = None, *, backend: str | None = None, n_jobs: int | None = None,
+        cache_dir: str | os.PathLike | None = None, progress: bool = True) -> pd.DataFrame:
+    """Run (or complete) ``name``'s grid in ``profile`` into the sweep cache; return the tidy frame."""
+    r = get(name)
+    return _sweep.sweep(r.fn, r.configs(profile), cache_dir=cache_dir, n_jobs=n_jobs, backend=backend,
+                        progress=progress, name=r.cache_name(), code_modules=(*_COMMON, *r.modules))
+
+
+def load(name: str, profile: str | None = None, *, cache_dir: str | os.PathLike | None = None) -> Loaded:
+    """Read ``name``'s frame in ``profile`` (default ``$CURVLAB_PROFILE``) from the cache, computing nothing.
+
+    Raises :class:`curvlab.sweep.MissingCells` naming the command to run when cells are missing (never run by
+    a book build: paper-scale grids are run by ``make sweeps``).
+    """
+    r = get(name)
+    prof = config.profile() if profile is None else profile
+    try:
+        frame = _sweep.sweep(r.fn, r.configs(prof), cache_dir=cache_dir, progress=False, name=r.cache_name(),
+                             code_modules=(*_COMMON, *r.modules), compute=False)
+    except _sweep.MissingCells as exc:
+        raise _sweep.MissingCells(f"{exc}; run `{command(name, prof)}` first", exc.done, exc.missing) from None
+    keys = {_sweep._config_json("config", c) for c in r.configs(prof)}
+    code = _sweep._code_hash(r.fn, r.cache_name(), None, (*_COMMON, *r.modules))
+    info = _sweep.cache_info(cache_dir, r.cache_name())
+    mine = info["config"].map(lambda s: _sweep._config_json("config", json.loads(s)) in keys) & (info["code_hash"] == code)
+    return Loaded(frame, info[mine].reset_index(drop=True), command(name, prof))
+
+
+def estimate(profile: str = "paper", *, flops_per_s: float | None = None) -> pd.DataFrame:
+    """Cells and floating-point operations (upper bound: every run to its cap) of every grid in ``profile``; with
+    ``flops_per_s``, the hours that throughput would take (an extrapolation, not a measurement)."""
+    rows = []
+    for r in REGISTRY.values():
+        cfgs = r.configs(profile)
+        flops = float(sum(r.flops(**c) for c in cfgs))
+        row = {"name": r.name, "chapter": r.chapter, "cells": len(cfgs), "flops_upper": flops,
+               "data": "; ".join(r.data) or "bundled (scikit-learn digits) or generated"}
+        if flops_per_s:
+            row["hours_at_rate"] = flops / flops_per_s / 3600
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _check_finite_cost() -> None:  # pragma: no cover - a guard for editors of the registry
+    for r in REGISTRY.values():
+        for prof in _PROFILES:
+            assert all(math.isfinite(r.flops(**c)) for c in r.configs(prof)), r.name
