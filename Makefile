@@ -13,7 +13,7 @@ JOBS       ?= 2
 STAMP      := $(VENV)/.curvlab-installed
 TORCH_PIN  ?= torch==2.13.0
 
-.PHONY: env book book-quick test unit built-tests lab bench clean clean-cache strip
+.PHONY: env book book-quick test unit built-tests lab bench clean clean-cache strip slides student pdf sweeps
 
 env: $(STAMP)
 
@@ -42,11 +42,28 @@ test: env
 lab: env
 	$(PY) -m jupyter lab notebooks/
 
+# Every benchmark, then book/performance.md's cost-vs-size section (benchmarks/run_all.py).
 bench: env
 	$(PY) benchmarks/run_all.py
 
+# Paper-scale grids (curvlab.paper_runs) into the sweep cache, outside the book build:
+#   make sweeps PROFILE=paper [ONLY=ch21_regimes] [BACKEND=dask]
+sweeps: env
+	CURVLAB_PROFILE=$(PROFILE) $(PY) tools/run_sweeps.py --profile $(PROFILE) $(if $(ONLY),--only $(ONLY)) $(if $(BACKEND),--backend $(BACKEND))
+
 strip: env
 	$(PY) tools/nbtool.py normalize notebooks/*.ipynb
+
+# Lecture kit (book/lecture_kit.md): offline reveal.js decks, student notebooks, the XeLaTeX handout.
+slides: env
+	CURVLAB_PROFILE=$(PROFILE) $(PY) tools/slides.py --jobs $(JOBS)
+
+student: env
+	$(PY) tools/student.py
+
+pdf: env
+	@command -v xelatex >/dev/null && command -v latexmk >/dev/null || bash tools/install_tex.sh
+	CURVLAB_PROFILE=$(PROFILE) $(PY) tools/pdf.py --jobs $(JOBS)
 
 clean:
 	rm -rf _build

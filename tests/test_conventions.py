@@ -227,7 +227,10 @@ def _requirements_from_pyproject() -> set[str]:
 
     project = tomllib.loads((ROOT / "lib" / "pyproject.toml").read_text())["project"]
     reqs = list(project["dependencies"])
-    for extra in ("book", "lab", "test"):
+    setup_env = (ROOT / "tools" / "setup_env.py").read_text()  # the extras `make` installs
+    extras = ast.literal_eval(re.search(r"^EXTRAS = (\(.*?\))$", setup_env, re.M).group(1))
+    assert {"book", "lab", "test", "cluster"} <= set(extras)
+    for extra in extras:
         reqs += project["optional-dependencies"][extra]
     return {r.replace(" ", "") for r in reqs}
 

@@ -3,7 +3,7 @@
 * torch: if it imports already (a CUDA build, Colab, a conda env seen through --system-site-packages) it is kept
   as it is. Otherwise ``--torch-pin`` is installed (default ``torch==2.13.0``, the CPU wheel this project's
   machines carry); set ``CURVLAB_TORCH_INDEX`` to an index URL to take it from elsewhere (e.g. PyTorch's CPU index).
-* ``lib/`` is installed in editable mode with its ``book``, ``lab`` and ``test`` extras. Its torch requirement is a
+* ``lib/`` is installed in editable mode with the extras in ``EXTRAS`` (``book``, ``lab``, ``test``, ``cluster``). Its torch requirement is a
   range, so pip leaves the torch found above alone.
 """
 
@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The extras of lib/pyproject.toml that `make` installs (environment.yml lists the same; a test checks it).
+EXTRAS = ("book", "lab", "test", "cluster")
 
 
 def pip(*args: str) -> None:
@@ -36,7 +38,7 @@ def main() -> None:
         import torch
 
         print(f"keeping the installed torch {torch.__version__}", flush=True)
-    pip("-e", f"{ROOT / 'lib'}[book,lab,test]")
+    pip("-e", f"{ROOT / 'lib'}[{','.join(EXTRAS)}]")
 
 
 if __name__ == "__main__":
