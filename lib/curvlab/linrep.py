@@ -1,0 +1,864 @@
+r"""Linear representation learning: data, layer-wise updates, metrics and rates (Part I, chapters 10 and 11).
+
+API used by ``curvlab.linrep_baselines`` and ``40_synthesis``; keep stable.
+
+**Model** (notebook ``10_linrep_derivations``). Inputs :math:`x\in\mathbb{R}^d` with second moment
+:math:`\Sigma`, targets :math:`y = F_\star G_\star x + \varepsilon`, :math:`G_\star\in\mathbb{R}^{k\times d}` with
+orthonormal rows, :math:`F_\star\in\mathbb{R}^{d_y\times k}` of full column rank,
+:math:`\varepsilon\sim\mathcal{N}(0,\sigma_\varepsilon^2 I_{d_y})`. The network is :math:`f(x) = FGx` and the loss on a
+batch is :math:`\mathcal{L}(F,G) = \frac1{2n}\lVert Y - XG^\top F^\top\rVert_F^2` (rows of ``X``, ``Y`` are samples).
+A *transfer task* shares :math:`G_\star` but has its own head :math:`F_{\star,T}` and covariance :math:`\Sigma_T`.
+
+**Shapes.** Everything is batched over ``S`` seeds: ``Fstar (S, d_y, k)``, ``Gstar (S, k, d)``,
+``Sigma (S, d, d)``, ``X (S, n, d)``, ``Y (S, n, d_y)``, ``F (S, d_y, k)``, ``G (S, k, d)``. Vectorisation is
+row-major (the book's convention), so the Gauss–Newton block of :math:`G` is :math:`F^\top F\otimes\hat\Sigma`.
+
+**Batches.** An update reads its data through :func:`batch_moments`: a batch is a dict with ``'X'``, ``'Y'`` (and
+``'X2'``, ``'Y2'``, an independent batch, for ``f_variant='refit_independent'``), or — the *population* batch of
+:meth:`LinRepProblem.population_batch` — the moments ``'Sxx'`` :math:`=\Sigma` and ``'Syx'``
+:math:`=F_\star G_\star\Sigma`. Every update of this module needs only these moments
+(:math:`\hat\Sigma = X^\top X/n`, :math:`\hat\Sigma_{yx} = Y^\top X/n`).
+
+**Update protocol.** ``fn(problem, state, batch, hp) -> LinRepState``; registered in :data:`UPDATES` with
+:func:`register_update`. ``hp`` keys: ``eta_G`` (required; a number or per-seed ``(S,)`` tensor), ``eta_F`` (gradient head; default ``eta_G``),
+``lam_F``, ``lam_G`` (K-FAC/DFW dampings, default 0), ``lam_head`` (ridge of the least-squares head, default 0),
+``f_variant`` in ``F_VARIANTS`` (default per method, ``DEFAULT_F_VARIANT``), ``normalize_step`` (AMGD/SGD/
+DFW: the step is :math:`\eta_G/(\lVert F\rVert_2^2\lambda_{\max}(\hat\Sigma))`), ``orthonormalize`` (re-orthonormalise
+the rows of :math:`G` after each step; does not change any row space K-FAC visits).
+
+The head variants (which :math:`F` the :math:`G`-step uses):
+
+* ``'refit_same'`` — :math:`F_t = \arg\min_F\mathcal{L}(F, G_t)` on the *same* batch as the :math:`G`-step;
+* ``'refit_independent'`` — the least-squares head on an independent batch (``X2``, ``Y2``), DFW's "de-bias";
+* ``'fixed'`` — :math:`F_t = F_0` (the authors' stylised remark);
+* ``'gradient'`` — :math:`F` takes its own gradient step :math:`F - \eta_F\nabla_F\mathcal{L}`, simultaneously with
+  :math:`G`.
+
+After a step the state holds ``F`` = the head the :math:`G`-step used (``F_t``; for ``'gradient'``, ``F_{t+1}``)
+and ``G`` = :math:`G_{t+1}`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from . import linalg
+from ._validate import (
+    as_tensor,
+    check_choice,
+    check_finite,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    check_psd,
+)
+
+__all__ = [
+    "LinRepProblem",
+    "linrep_problem",
+    "LinRepState",
+    "init_state",
+    "F_VARIANTS",
+    "DEFAULT_F_VARIANT",
+    "UPDATES",
+    "register_update",
+    "batch_moments",
+    "fit_head",
+    "head_from_moments",
+    "grad_G",
+    "grad_F",
+    "loss",
+    "train_loss",
+    "sgd_update",
+    "amgd_update",
+    "kfac_update",
+    "dfw_update",
+    "run",
+    "run_looped",
+    "subspace_distance",
+    "perp_projector",
+    "representation_loss",
+    "transfer_loss",
+    "excess_risk",
+    "schur_complement",
+    "schur_curvature",
+    "linearised_rate",
+    "optimal_step",
+    "perp_jacobian",
+    "noise_floor",
+    "fitted_rate",
+]
+
+F_VARIANTS = ("refit_same", "refit_independent", "fixed", "gradient")
+X_DISTS = ("gaussian", "rademacher")
+SPECTRA = ("geometric", "linear", "two-level")
+
+
+# ============================================================================================ the problem
+@dataclass(frozen=True)
+class LinRepProblem:
+    r"""``S`` instances of :math:`y = F_\star G_\star x + \varepsilon` with a transfer task (chapter 10).
+
+    ``Fstar (S, d_y, k)``, ``Gstar (S, k, d)`` (orthonormal rows), ``Sigma``, ``Sigma_half`` :math:`=\Sigma^{1/2}`
+    ``(S, d, d)``; ``noise`` :math:`=\sigma_\varepsilon`; ``x_dist``: ``'gaussian'`` (:math:`x=\Sigma^{1/2}z`,
+    :math:`z\sim\mathcal{N}(0,I)`) or ``'rademacher'`` (:math:`x=\Sigma^{1/2}z`, :math:`z` uniform on
+    :math:`\{\pm1\}^d`, as in the paper); the transfer task has ``Fstar_T``, ``Sigma_T``, ``Sigma_T_half`` and
+    noise ``noise_T``.
+    """
+
+    Fstar: torch.Tensor
+    Gstar: torch.Tensor
+    Sigma: torch.Tensor
+    Sigma_half: torch.Tensor
+    noise: float
+    x_dist: str
+    Fstar_T: torch.Tensor
+    Sigma_T: torch.Tensor
+    Sigma_T_half: torch.Tensor
+    noise_T: float = 0.0
+
+    def __post_init__(self) -> None:
+        Gs = check_finite("Gstar", as_tensor("Gstar", self.Gstar))
+        if Gs.dim() != 3:
+            raise ValueError(f"Gstar must have shape (S, k, d), got {tuple(Gs.shape)}")
+        S, k, d = Gs.shape
+        if k > d:
+            raise ValueError(f"k must be <= d (Gstar has shape {tuple(Gs.shape)})")
+        for name in ("Fstar", "Fstar_T"):
+            t = check_finite(name, getattr(self, name))
+            if t.dim() != 3 or t.shape[0] != S or t.shape[2] != k:
+                raise ValueError(f"{name} must have shape ({S}, d_y, {k}), got {tuple(t.shape)}")
+        if self.Fstar.shape[1] < k:
+            raise ValueError(f"k must be <= d_y so that Fstar has full column rank, got k={k}, d_y={self.Fstar.shape[1]}")
+        for name in ("Sigma", "Sigma_half", "Sigma_T", "Sigma_T_half"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.shape != (S, d, d):
+                raise ValueError(f"{name} must have shape ({S}, {d}, {d}), got {tuple(getattr(t, 'shape', ()))}")
+            check_psd(name, t)
+        check_nonnegative("noise", self.noise)
+        check_nonnegative("noise_T", self.noise_T)
+        check_choice("x_dist", self.x_dist, X_DISTS)
+
+    # ---------------------------------------------------------------------------------------- sizes
+    @property
+    def n_seeds(self) -> int:
+        return self.Gstar.shape[0]
+
+    @property
+    def d(self) -> int:
+        return self.Gstar.shape[2]
+
+    @property
+    def k(self) -> int:
+        return self.Gstar.shape[1]
+
+    @property
+    def d_y(self) -> int:
+        return self.Fstar.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.Gstar.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.Gstar.device
+
+    # ---------------------------------------------------------------------------------------- data
+    def sample(self, n: int, generator: torch.Generator | None = None, transfer: bool = False):
+        r"""A fresh batch ``(X (S, n, d), Y (S, n, d_y))`` of the training (or ``transfer``) task.
+
+        Random numbers are drawn on the generator's device (the default generator when ``None``) and moved to
+        the problem's device.
+        """
+        n = check_int("n", n, min_value=1)
+        S, d, d_y = self.n_seeds, self.d, self.d_y
+        gdev = generator.device if generator is not None else self.device
+        opts = dict(generator=generator, dtype=self.dtype, device=gdev)
+        if self.x_dist == "gaussian":
+            Z = torch.randn(S, n, d, **opts)
+        else:
+            Z = torch.randint(0, 2, (S, n, d), generator=generator, device=gdev).to(self.dtype) * 2 - 1
+        half, F, sig = ((self.Sigma_T_half, self.Fstar_T, self.noise_T) if transfer
+                        else (self.Sigma_half, self.Fstar, self.noise))
+        X = Z.to(self.device) @ half       # Sigma_half is symmetric: row i is (Sigma^{1/2} z_i)^T
+        Y = X @ (F @ self.Gstar).transpose(-2, -1)
+        if sig > 0:                        # noiseless tasks draw no noise
+            Y = Y + sig * torch.randn(S, n, d_y, **opts).to(self.device)
+        return X, Y
+
+    def population_batch(self, transfer: bool = False) -> dict[str, torch.Tensor]:
+        r"""The population moments as a batch: ``Sxx`` :math:`=\Sigma`, ``Syx`` :math:`=F_\star G_\star\Sigma`."""
+        Sig, F = (self.Sigma_T, self.Fstar_T) if transfer else (self.Sigma, self.Fstar)
+        return {"Sxx": Sig, "Syx": F @ self.Gstar @ Sig}
+
+    def select(self, s: int) -> LinRepProblem:
+        """Seed ``s`` alone, as a problem with ``S = 1`` (used by :func:`run_looped`)."""
+        s = check_int("s", s, min_value=0)
+        if s >= self.n_seeds:
+            raise ValueError(f"s must be < n_seeds={self.n_seeds}, got {s}")
+        sl = slice(s, s + 1)
+        return replace(self, Fstar=self.Fstar[sl], Gstar=self.Gstar[sl], Sigma=self.Sigma[sl],
+                       Sigma_half=self.Sigma_half[sl], Fstar_T=self.Fstar_T[sl], Sigma_T=self.Sigma_T[sl],
+                       Sigma_T_half=self.Sigma_T_half[sl])
+
+
+def _spectrum(kind: str, size: int, kappa: float) -> torch.Tensor:
+    """Eigenvalues in ``[1, kappa]``, decreasing: geometric, linear or two-level (half at ``kappa``, half at 1)."""
+    if kind == "geometric":
+        return torch.logspace(math.log10(kappa), 0.0, size, dtype=torch.float64)
+    if kind == "linear":
+        return torch.linspace(kappa, 1.0, size, dtype=torch.float64)
+    s = torch.ones(size, dtype=torch.float64)
+    s[: (size + 1) // 2] = kappa
+    return s
+
+
+def _orthonormal_rows(S: int, k: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """``(S, k, d)`` with Haar-distributed orthonormal rows."""
+    Q, R = torch.linalg.qr(torch.randn(S, d, k, generator=gen, dtype=torch.float64))
+    return (Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)).transpose(-2, -1)
+
+
+def linrep_problem(n_seeds: int, *, d: int, k: int, d_y: int, kappa_x: float, kappa_F: float = 1.0,
+                   spectrum: str = "geometric", basis: str = "random", x_dist: str = "gaussian",
+                   noise: float = 0.0, transfer_kappa: float | None = None, seed: int = 0,
+                   dtype: torch.dtype = torch.float64, device=None) -> LinRepProblem:
+    r"""Draw ``n_seeds`` instances of the linear representation problem (chapter 10).
+
+    * :math:`\Sigma = U\operatorname{diag}(s)U^\top`, :math:`s` in :math:`[1, \kappa_x]` (``spectrum``:
+      ``'geometric'``, ``'linear'`` or ``'two-level'``), :math:`U` Haar (``basis='random'``) or :math:`I`
+      (``'aligned'``, a diagonal :math:`\Sigma`), so :math:`\kappa(\Sigma)` = ``kappa_x``;
+    * :math:`G_\star` Haar-random with orthonormal rows;
+    * :math:`F_\star = P\operatorname{diag}(\sigma)Q^\top`, singular values geometric in :math:`[1,\kappa_F]`, so
+      :math:`\kappa(F_\star)` = ``kappa_F`` and :math:`\sigma_{\min}(F_\star) = 1`;
+    * the transfer task: an independent head :math:`F_{\star,T}` drawn the same way, and
+      :math:`\Sigma_T` with its own Haar basis and condition number ``transfer_kappa`` (``None``:
+      :math:`\Sigma_T = I_d`, an isotropic transfer task); noise as the training task.
+    """
+    S = check_int("n_seeds", n_seeds, min_value=1)
+    d, k, d_y = (check_int(nm, v, min_value=1) for nm, v in (("d", d), ("k", k), ("d_y", d_y)))
+    if k > d:
+        raise ValueError(f"k must be <= d, got k={k} > d={d}")
+    if k > d_y:
+        raise ValueError(f"k must be <= d_y (Fstar of full column rank), got k={k} > d_y={d_y}")
+    kx, kF = check_positive("kappa_x", kappa_x), check_positive("kappa_F", kappa_F)
+    if kx < 1 or kF < 1:
+        raise ValueError(f"kappa_x and kappa_F must be >= 1, got {kx}, {kF}")
+    check_choice("spectrum", spectrum, SPECTRA)
+    check_choice("basis", basis, ("random", "aligned"))
+    check_choice("x_dist", x_dist, X_DISTS)
+    noise = check_nonnegative("noise", noise)
+    if transfer_kappa is not None and check_positive("transfer_kappa", transfer_kappa) < 1:
+        raise ValueError(f"transfer_kappa must be >= 1, got {transfer_kappa}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    gen = torch.Generator().manual_seed(check_int("seed", seed, min_value=0))
+    sx = _spectrum(spectrum, d, kx)
+    sF = torch.logspace(math.log10(kF), 0.0, k, dtype=torch.float64)
+
+    def cov(spec, bas):
+        U = (torch.stack([linalg.random_orthogonal(d, generator=gen) for _ in range(S)]) if bas == "random"
+             else torch.eye(d, dtype=torch.float64).expand(S, d, d))
+        return (U * spec) @ U.transpose(-2, -1), (U * spec.sqrt()) @ U.transpose(-2, -1)
+
+    def head():
+        P = _orthonormal_rows(S, k, d_y, gen).transpose(-2, -1)     # (S, d_y, k), orthonormal columns
+        Q = _orthonormal_rows(S, k, k, gen)
+        return (P * sF) @ Q
+
+    Sigma, half = cov(sx, basis)
+    Gstar = _orthonormal_rows(S, k, d, gen)
+    Fstar = head()
+    Fstar_T = head()
+    if transfer_kappa is None:
+        Sigma_T = torch.eye(d, dtype=torch.float64).expand(S, d, d).clone()
+        half_T = Sigma_T.clone()
+    else:
+        Sigma_T, half_T = cov(_spectrum(spectrum, d, float(transfer_kappa)), "random")
+    to = dict(dtype=dtype, device=device)
+    return LinRepProblem(Fstar.to(**to), Gstar.to(**to), Sigma.to(**to), half.to(**to), float(noise), x_dist,
+                         Fstar_T.to(**to), Sigma_T.to(**to), half_T.to(**to), float(noise))
+
+
+# ============================================================================================ state, heads, gradients
+@dataclass
+class LinRepState:
+    """The iterate of a method: head ``F (S, d_y, k)``, representation ``G (S, k, d)``, step count ``t`` and a
+    free ``extra`` dict for optimiser state (moments, accumulated factors, ...)."""
+
+    F: torch.Tensor
+    G: torch.Tensor
+    t: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def init_state(problem: LinRepProblem, generator: torch.Generator | None = None) -> LinRepState:
+    r""":math:`G_0` Haar-random with orthonormal rows; :math:`F_0` its population least-squares head (full rank)."""
+    if generator is None or generator.device.type != "cpu":
+        gen = torch.Generator().manual_seed(12345 if generator is None else generator.initial_seed())
+    else:
+        gen = generator
+    G0 = _orthonormal_rows(problem.n_seeds, problem.k, problem.d, gen).to(problem.dtype).to(problem.device)
+    pop = problem.population_batch()
+    return LinRepState(F=head_from_moments(G0, pop["Sxx"], pop["Syx"]), G=G0, t=0)
+
+
+def batch_moments(batch: dict, second: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(Sxx, Syx)`` :math:`=(\hat\Sigma, \hat\Sigma_{yx}) = (X^\top X/n, Y^\top X/n)` of a batch (or of its
+    independent half ``X2``, ``Y2`` when ``second``); a population batch passes its moments through."""
+    if not isinstance(batch, dict):
+        raise TypeError(f"batch must be a dict with keys 'X', 'Y' (or 'Sxx', 'Syx'), got {type(batch).__name__}")
+    kx, ky = ("X2", "Y2") if second else ("X", "Y")
+    if kx in batch:
+        X, Y = batch[kx], batch[ky]
+        n = X.shape[-2]
+        return X.transpose(-2, -1) @ X / n, Y.transpose(-2, -1) @ X / n
+    if "Sxx" in batch:
+        return batch["Sxx"], batch["Syx"]
+    raise ValueError(f"batch must hold '{kx}' and '{ky}' (or population moments 'Sxx', 'Syx'), got {list(batch)}")
+
+
+def _eye(k: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.eye(k, dtype=like.dtype, device=like.device)
+
+
+def _right_solve(B: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """``B A^{-1}`` for symmetric positive definite ``A`` (batched)."""
+    return torch.linalg.solve(A, B.transpose(-2, -1)).transpose(-2, -1)
+
+
+def head_from_moments(G: torch.Tensor, Sxx: torch.Tensor, Syx: torch.Tensor, lam: float = 0.0) -> torch.Tensor:
+    r"""Least-squares head from moments: :math:`F = \hat\Sigma_{yx}G^\top(G\hat\Sigma G^\top + \lambda I_k)^{-1}`."""
+    A = G @ Sxx @ G.transpose(-2, -1)
+    if lam:
+        A = A + lam * _eye(A.shape[-1], A)
+    return _right_solve(Syx @ G.transpose(-2, -1), A)
+
+
+def _check_data(G, X, Y) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    G = check_finite("G", as_tensor("G", G))
+    X = check_finite("X", as_tensor("X", X, dtype=G.dtype, device=G.device))
+    Y = check_finite("Y", as_tensor("Y", Y, dtype=G.dtype, device=G.device))
+    if G.dim() < 2:
+        raise ValueError(f"G must have shape (..., k, d), got {tuple(G.shape)}")
+    if X.dim() != G.dim() or X.shape[-1] != G.shape[-1]:
+        raise ValueError(f"X must have shape (..., n, {G.shape[-1]}) matching G {tuple(G.shape)}, got {tuple(X.shape)}")
+    if Y.dim() != X.dim() or Y.shape[-2] != X.shape[-2]:
+        raise ValueError(f"Y must have shape (..., {X.shape[-2]}, d_y), got {tuple(Y.shape)}")
+    return G, X, Y
+
+
+def fit_head(G, X, Y, lam: float = 0.0) -> torch.Tensor:
+    r"""Batched least squares :math:`F = \arg\min_F \frac1{2n}\lVert Y - XG^\top F^\top\rVert_F^2 +
+    \frac\lambda2\lVert F\rVert_F^2 = \hat\Sigma_{yx}G^\top(G\hat\Sigma G^\top+\lambda I_k)^{-1}` (chapter 10; one
+    unit K-FAC step on :math:`F`). ``G (..., k, d)``, ``X (..., n, d)``, ``Y (..., n, d_y)`` → ``(..., d_y, k)``."""
+    G, X, Y = _check_data(G, X, Y)
+    lam = check_nonnegative("lam", lam)
+    n = X.shape[-2]
+    return head_from_moments(G, X.transpose(-2, -1) @ X / n, Y.transpose(-2, -1) @ X / n, lam)
+
+
+def grad_G(F, G, Sxx, Syx) -> torch.Tensor:
+    r""":math:`\nabla_G\mathcal{L} = \frac1n F^\top(FGX^\top - Y^\top)X = F^\top(FG\hat\Sigma - \hat\Sigma_{yx})`."""
+    return F.transpose(-2, -1) @ (F @ G @ Sxx - Syx)
+
+
+def grad_F(F, G, Sxx, Syx) -> torch.Tensor:
+    r""":math:`\nabla_F\mathcal{L} = (FG\hat\Sigma - \hat\Sigma_{yx})G^\top`."""
+    return (F @ G @ Sxx - Syx) @ G.transpose(-2, -1)
+
+
+def loss(F, G, X, Y) -> torch.Tensor:
+    r"""The batch loss :math:`\mathcal{L}(F,G) = \frac1{2n}\lVert Y - XG^\top F^\top\rVert_F^2`, shape ``(...)``."""
+    R = Y - X @ G.transpose(-2, -1) @ F.transpose(-2, -1)
+    return 0.5 * R.square().sum((-2, -1)) / X.shape[-2]
+
+
+def train_loss(F, G, X, Y) -> torch.Tensor:
+    r"""Validated :func:`loss`: the empirical training loss of :math:`(F, G)` on ``(X, Y)``, shape ``(...)``."""
+    G, X, Y = _check_data(G, X, Y)
+    F = check_finite("F", as_tensor("F", F, dtype=G.dtype, device=G.device))
+    if F.shape[-1] != G.shape[-2] or F.shape[-2] != Y.shape[-1]:
+        raise ValueError(f"F must have shape (..., {Y.shape[-1]}, {G.shape[-2]}), got {tuple(F.shape)}")
+    return loss(F, G, X, Y)
+
+
+# ============================================================================================ the updates
+def _hp(hp: Any, method: str) -> dict:
+    if not isinstance(hp, dict):
+        raise TypeError(f"hp must be a dict of hyperparameters, got {type(hp).__name__}")
+    if "eta_G" not in hp:
+        raise ValueError(f"hp must contain 'eta_G' (the step size of G) for {method}")
+    out = dict(hp)
+    out["eta_G"] = _step_size("eta_G", hp["eta_G"])
+    out["eta_F"] = _step_size("eta_F", hp.get("eta_F", out["eta_G"]))
+    for name in ("lam_F", "lam_G", "lam_head"):
+        out[name] = check_nonnegative(name, hp.get(name, 0.0))
+    out["f_variant"] = check_choice("f_variant", hp.get("f_variant", DEFAULT_F_VARIANT.get(method, "refit_same")),
+                                    F_VARIANTS)
+    return out
+
+
+def _step_size(name: str, value: Any) -> float | torch.Tensor:
+    """A positive number, or a tensor of per-seed step sizes ``(S,)`` returned as ``(S, 1, 1)``."""
+    if isinstance(value, torch.Tensor) and value.numel() > 1:
+        v = check_finite(name, value)
+        if bool((v <= 0).any()):
+            raise ValueError(f"{name} must be > 0, got min {float(v.min()):.3g}")
+        return v.reshape(-1, 1, 1)
+    return check_positive(name, value)
+
+
+def _head_for_step(state: LinRepState, batch: dict, hp: dict) -> torch.Tensor:
+    """The head the G-step uses, per ``hp['f_variant']`` (the F-gradient variant returns the current F)."""
+    v = hp["f_variant"]
+    if v in ("fixed", "gradient"):
+        return state.F
+    Sxx, Syx = batch_moments(batch, second=(v == "refit_independent"))
+    return head_from_moments(state.G, Sxx, Syx, hp["lam_head"])
+
+
+def _finish(state: LinRepState, F: torch.Tensor, G_new: torch.Tensor, Sxx, Syx, hp: dict) -> LinRepState:
+    """Apply the F-gradient variant (simultaneous step) and optional re-orthonormalisation; bump ``t``."""
+    if hp["f_variant"] == "gradient":
+        F = F - hp["eta_F"] * grad_F(F, state.G, Sxx, Syx)
+    if hp.get("orthonormalize", False):
+        Q, R = torch.linalg.qr(G_new.transpose(-2, -1))
+        F = F @ R.transpose(-2, -1)                    # keep the product F G unchanged
+        G_new = Q.transpose(-2, -1)
+    return LinRepState(F=F, G=G_new, t=state.t + 1, extra=state.extra)
+
+
+def _step_scale(F: torch.Tensor, Sxx: torch.Tensor, hp: dict) -> torch.Tensor | float:
+    r""":math:`\eta_G`, or :math:`\eta_G/(\lVert F\rVert_2^2\lambda_{\max}(\hat\Sigma))` per seed when
+    ``hp['normalize_step']``."""
+    if not hp.get("normalize_step", False):
+        return hp["eta_G"]
+    fF = torch.linalg.matrix_norm(F, ord=2).square()
+    lx = torch.linalg.eigvalsh(Sxx)[..., -1]
+    return hp["eta_G"] / (fF * lx)[..., None, None]
+
+
+def sgd_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict) -> LinRepState:
+    r"""SGD on both layers (default ``f_variant='gradient'``): :math:`G \leftarrow G - \eta_G\nabla_G\mathcal{L}`,
+    :math:`F \leftarrow F - \eta_F\nabla_F\mathcal{L}`, both gradients at :math:`(F_t, G_t)` on the same batch."""
+    hp = _hp(hp, "SGD")
+    Sxx, Syx = batch_moments(batch)
+    F = _head_for_step(state, batch, hp)
+    G = state.G - _step_scale(F, Sxx, hp) * grad_G(F, state.G, Sxx, Syx)
+    return _finish(state, F, G, Sxx, Syx, hp)
+
+
+def amgd_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict) -> LinRepState:
+    r"""AMGD (the paper's "SGD"; alternating minimisation–descent): :math:`F_t = \arg\min_F\mathcal{L}(F, G_t)` on
+    the step's batch (default ``f_variant='refit_same'``), then :math:`G_{t+1} = G_t - \eta_G\nabla_G\mathcal{L}(F_t,
+    G_t)` on the same batch."""
+    hp = _hp(hp, "AMGD")
+    Sxx, Syx = batch_moments(batch)
+    F = _head_for_step(state, batch, hp)
+    G = state.G - _step_scale(F, Sxx, hp) * grad_G(F, state.G, Sxx, Syx)
+    return _finish(state, F, G, Sxx, Syx, hp)
+
+
+def kfac_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict) -> LinRepState:
+    r"""Stylised K-FAC (the paper's main algorithm): with :math:`F_t` the least-squares head (default
+    ``'refit_same'``),
+
+    .. math:: G_{t+1} = G_t - \eta_G\,(F_t^\top F_t + \lambda_F I_k)^{-1}\,\nabla_G\mathcal{L}(F_t, G_t)\,
+              (\hat\Sigma + \lambda_G I_d)^{-1}.
+    """
+    hp = _hp(hp, "K-FAC")
+    Sxx, Syx = batch_moments(batch)
+    F = _head_for_step(state, batch, hp)
+    C_out = F.transpose(-2, -1) @ F + hp["lam_F"] * _eye(F.shape[-1], F)
+    C_in = Sxx + hp["lam_G"] * _eye(Sxx.shape[-1], Sxx)
+    step = torch.linalg.solve(C_out, _right_solve(grad_G(F, state.G, Sxx, Syx), C_in))
+    return _finish(state, F, state.G - hp["eta_G"] * step, Sxx, Syx, hp)
+
+
+def dfw_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict) -> LinRepState:
+    r"""DFW, "De-bias & Feature-Whiten" (Zhang, Toso, Anderson & Matni, ICLR 2024; an adaptation of AMGD): the head
+    is fit on an independent batch (default ``'refit_independent'``, the de-biasing) and the gradient is whitened on
+    the right only,
+
+    .. math:: G_{t+1} = G_t - \eta_G\,\nabla_G\mathcal{L}(F_t, G_t)\,(\hat\Sigma + \lambda_G I_d)^{-1}.
+    """
+    hp = _hp(hp, "DFW")
+    Sxx, Syx = batch_moments(batch)
+    F = _head_for_step(state, batch, hp)
+    C_in = Sxx + hp["lam_G"] * _eye(Sxx.shape[-1], Sxx)
+    step = _right_solve(grad_G(F, state.G, Sxx, Syx), C_in)
+    if hp.get("normalize_step", False):
+        scale = hp["eta_G"] / torch.linalg.matrix_norm(F, ord=2).square()[..., None, None]  # (S,1,1) or float
+    else:
+        scale = hp["eta_G"]
+    return _finish(state, F, state.G - scale * step, Sxx, Syx, hp)
+
+
+UpdateFn = Callable[[LinRepProblem, LinRepState, dict, dict], LinRepState]
+#: name -> update rule ``fn(problem, state, batch, hp) -> LinRepState``; names are those of ``plotting.METHODS``.
+UPDATES: dict[str, UpdateFn] = {}
+#: name -> the head variant a method uses when ``hp`` does not say.
+DEFAULT_F_VARIANT: dict[str, str] = {}
+
+
+def register_update(name: str, fn: UpdateFn, *, default_f_variant: str = "refit_same", overwrite: bool = True) -> None:
+    """Register an update rule under a method name of :data:`curvlab.plotting.METHODS` (checked)."""
+    from .plotting import METHODS
+
+    if not isinstance(name, str) or name not in METHODS:
+        raise ValueError(f"name must be a method registered in curvlab.plotting.METHODS, got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    check_choice("default_f_variant", default_f_variant, F_VARIANTS)
+    if name in UPDATES and not overwrite:
+        raise ValueError(f"an update named {name!r} is already registered")
+    UPDATES[name] = fn
+    DEFAULT_F_VARIANT[name] = default_f_variant
+
+
+register_update("SGD", sgd_update, default_f_variant="gradient")
+register_update("AMGD", amgd_update, default_f_variant="refit_same")
+register_update("K-FAC", kfac_update, default_f_variant="refit_same")
+register_update("DFW", dfw_update, default_f_variant="refit_independent")
+
+
+# ============================================================================================ metrics
+def _orth_cols(A: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis of the column space of a full-column-rank ``A (..., d, k)``."""
+    return torch.linalg.qr(A)[0]
+
+
+def subspace_distance(G, Gstar, kind: str = "sin_max") -> torch.Tensor:
+    r"""Distance between row spaces through the principal angles :math:`\psi_i`: ``'sin_max'`` gives
+    :math:`\operatorname{dist}(G, G_\star) = \sin\psi_{\max} = \lVert(I - G_\star^\top G_\star)Q_G\rVert_2`,
+    ``'fro'`` gives :math:`(\sum_i\sin^2\psi_i)^{1/2}`, with :math:`Q_G` an orthonormal basis of
+    :math:`\operatorname{rowsp}(G)` (columns). ``G (..., k, d)``, ``Gstar (..., k_\star, d)`` with orthonormal rows.
+    Accurate at small angles (no :math:`\sqrt{1-\cos^2}`)."""
+    kind = check_choice("kind", kind, ("sin_max", "fro"))
+    G = check_finite("G", as_tensor("G", G))
+    Gstar = check_finite("Gstar", as_tensor("Gstar", Gstar, dtype=G.dtype, device=G.device))
+    if G.dim() < 2 or Gstar.dim() < 2 or G.shape[-1] != Gstar.shape[-1]:
+        raise ValueError(f"G and Gstar must be (..., k, d) with the same d, got {tuple(G.shape)}, {tuple(Gstar.shape)}")
+    if G.shape[-2] > G.shape[-1]:
+        raise ValueError(f"G must have k <= d rows, got shape {tuple(G.shape)}")
+    return _dist(G, Gstar, kind)
+
+
+def _dist(G: torch.Tensor, Gstar: torch.Tensor, kind: str = "sin_max") -> torch.Tensor:
+    Q = _orth_cols(G.transpose(-2, -1))
+    P = Q - Gstar.transpose(-2, -1) @ (Gstar @ Q)
+    s = torch.linalg.svdvals(P)
+    return s[..., 0] if kind == "sin_max" else s.square().sum(-1).sqrt()
+
+
+def perp_projector(Gstar) -> torch.Tensor:
+    r""":math:`\Pi_\perp = I_d - G_\star^\top G_\star`, the projector onto :math:`\operatorname{rowsp}(G_\star)^\perp`."""
+    Gstar = check_finite("Gstar", as_tensor("Gstar", Gstar))
+    return _eye(Gstar.shape[-1], Gstar) - Gstar.transpose(-2, -1) @ Gstar
+
+
+def _rep_loss(G, Fstar, Gstar, half) -> torch.Tensor:
+    B = Fstar @ Gstar @ half                               # (S, d_y, d)
+    Q = _orth_cols(half @ G.transpose(-2, -1))             # basis of colsp(Sigma^{1/2} G^T)
+    R = B - (B @ Q) @ Q.transpose(-2, -1)
+    return 0.5 * R.square().sum((-2, -1))
+
+
+def representation_loss(G, problem: LinRepProblem, transfer: bool = False) -> torch.Tensor:
+    r"""Excess population risk of :math:`G` with its best head (the variable-projection objective, chapter 10):
+
+    .. math:: \varphi(G) = \min_F \tfrac12\mathbb{E}\lVert F_\star G_\star x - FGx\rVert^2
+              = \tfrac12\lVert F_\star G_\star\Sigma^{1/2}(I - \Pi_G)\rVert_F^2,
+
+    :math:`\Pi_G` the orthogonal projector onto :math:`\operatorname{colsp}(\Sigma^{1/2}G^\top)`. With
+    ``transfer``, :math:`F_{\star,T}` and :math:`\Sigma_T`. Add :math:`\tfrac12 d_y\sigma_\varepsilon^2` for the full
+    risk. Shape ``(S,)``."""
+    G = _check_G(G, problem)
+    if transfer:
+        return _rep_loss(G, problem.Fstar_T, problem.Gstar, problem.Sigma_T_half)
+    return _rep_loss(G, problem.Fstar, problem.Gstar, problem.Sigma_half)
+
+
+def _check_G(G, problem: LinRepProblem) -> torch.Tensor:
+    if not isinstance(problem, LinRepProblem):
+        raise TypeError(f"problem must be a LinRepProblem, got {type(problem).__name__}")
+    G = check_finite("G", as_tensor("G", G, dtype=problem.dtype, device=problem.device))
+    if G.shape != problem.Gstar.shape:
+        raise ValueError(f"G must have shape {tuple(problem.Gstar.shape)}, got {tuple(G.shape)}")
+    return G
+
+
+def excess_risk(F, G, problem: LinRepProblem, transfer: bool = False) -> torch.Tensor:
+    r"""Population excess risk of the pair :math:`(F, G)`: :math:`\tfrac12\operatorname{tr}\big((FG - F_\star
+    G_\star)\Sigma(FG - F_\star G_\star)^\top\big)` (``transfer``: :math:`F_{\star,T}`, :math:`\Sigma_T`). ``(S,)``."""
+    G = _check_G(G, problem)
+    F = check_finite("F", as_tensor("F", F, dtype=G.dtype, device=G.device))
+    Fs, half = (problem.Fstar_T, problem.Sigma_T_half) if transfer else (problem.Fstar, problem.Sigma_half)
+    D = (F @ G - Fs @ problem.Gstar) @ half
+    return 0.5 * D.square().sum((-2, -1))
+
+
+def transfer_loss(G, problem: LinRepProblem, closed_form: bool = True, *, n: int | None = None,
+                  generator: torch.Generator | None = None, lam: float = 0.0) -> torch.Tensor:
+    r"""Transfer loss of a frozen representation :math:`G` (chapter 10), shape ``(S,)``.
+
+    ``closed_form=True``: the optimal new head under :math:`\Sigma_T`,
+    :math:`\tfrac12\lVert F_{\star,T}G_\star\Sigma_T^{1/2}(I-\Pi_G)\rVert_F^2` (:func:`representation_loss` with
+    ``transfer=True``). ``closed_form=False``: the head is fit by least squares (ridge ``lam``) on ``n`` fresh
+    noisy transfer samples, and its population excess risk :func:`excess_risk` is returned; it is :math:`\ge` the
+    closed form and tends to it as :math:`n\to\infty`."""
+    if closed_form:
+        return representation_loss(G, problem, transfer=True)
+    if n is None:
+        raise ValueError("n (the number of transfer samples) is required when closed_form=False")
+    G = _check_G(G, problem)
+    X, Y = problem.sample(check_int("n", n, min_value=1), generator, transfer=True)
+    return excess_risk(fit_head(G, X, Y, lam), G, problem, transfer=True)
+
+
+def schur_complement(G, Sigma) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The Schur complement of :math:`\Sigma` on :math:`\operatorname{rowsp}(G)^\perp` and that basis.
+
+    With :math:`U_\perp\in\mathbb{R}^{(d-k)\times d}` orthonormal rows spanning :math:`\operatorname{rowsp}(G)^\perp`
+    and :math:`Q` those spanning :math:`\operatorname{rowsp}(G)`,
+
+    .. math:: S = \big[(U_\perp\Sigma^{-1}U_\perp^\top)\big]^{-1}
+              = \Sigma_{\perp\perp} - \Sigma_{\perp\parallel}\Sigma_{\parallel\parallel}^{-1}\Sigma_{\parallel\perp},
+
+    the residual covariance of :math:`U_\perp x` after regressing on :math:`Qx`. Returns ``(S (..., d-k, d-k),
+    U_perp (..., d-k, d))``. It equals :math:`U_\perp\Sigma U_\perp^\top` only when :math:`\operatorname{rowsp}(G)`
+    is an invariant subspace of :math:`\Sigma`."""
+    G = check_finite("G", as_tensor("G", G))
+    Sigma = check_psd("Sigma", as_tensor("Sigma", Sigma, dtype=G.dtype, device=G.device), strict=True)
+    k, d = G.shape[-2:]
+    if k >= d:
+        raise ValueError(f"G must have k < d rows (a nontrivial complement), got shape {tuple(G.shape)}")
+    if Sigma.shape[-1] != d:
+        raise ValueError(f"Sigma must be ({d}, {d}) to match G, got {tuple(Sigma.shape)}")
+    Qfull = torch.linalg.qr(G.transpose(-2, -1), mode="complete")[0]      # (..., d, d)
+    U = Qfull[..., :, k:].transpose(-2, -1)
+    Sinv_perp = U @ torch.linalg.solve(Sigma, U.transpose(-2, -1))
+    S = torch.linalg.inv(Sinv_perp)
+    return 0.5 * (S + S.transpose(-2, -1)), U
+
+
+def schur_curvature(F, G, Sigma) -> torch.Tensor:
+    r"""Variable-projection curvature of AMGD on the Grassmann tangent (chapters 10 and 40):
+
+    .. math:: H_{\mathrm{vp}} = F^\top F \otimes S, \qquad S = \Sigma_{\perp\perp} - \Sigma_{\perp\parallel}
+              \Sigma_{\parallel\parallel}^{-1}\Sigma_{\parallel\perp}\ \ (:func:`schur_complement`).
+
+    **Vec convention.** A tangent perturbation is :math:`\delta G = B\,U_\perp` with :math:`B\in\mathbb{R}^{k\times
+    (d-k)}` and :math:`U_\perp` from :func:`schur_complement`; :math:`H_{\mathrm{vp}}` acts on
+    :math:`\operatorname{vec}(B)` stacked row by row (``B.reshape(-1)``), so :math:`H\operatorname{vec}(B) =
+    \operatorname{vec}(F^\top F\,B\,S)`. At a fixed point :math:`G = RG_\star` of population AMGD, the linearised map
+    is :math:`B \mapsto B - \eta F^\top F B S` (rate :func:`linearised_rate`). Returns ``(..., k(d-k), k(d-k))``."""
+    F = check_finite("F", as_tensor("F", F))
+    k = as_tensor("G", G).shape[-2]
+    if F.dim() < 2 or F.shape[-1] != k:
+        raise ValueError(f"F must have shape (..., d_y, {k}) to match G, got {tuple(F.shape)}")
+    S, _ = schur_complement(G, Sigma)
+    return linalg.kron(F.transpose(-2, -1) @ F.to(S.dtype), S)
+
+
+def linearised_rate(H, eta) -> torch.Tensor:
+    r""":math:`\max_i|1 - \eta\lambda_i(H)|`: the contraction factor of :math:`B\mapsto(I-\eta H)B` for a symmetric
+    PSD curvature ``H (..., p, p)``; ``eta`` a number or a tensor broadcasting against ``H``'s batch shape."""
+    H = check_psd("H", H)
+    ev = torch.linalg.eigvalsh(H)
+    eta = as_tensor("eta", eta, dtype=ev.dtype, device=ev.device)
+    if bool((eta <= 0).any()):
+        raise ValueError("eta must be > 0")
+    return torch.maximum((1 - eta * ev[..., 0]).abs(), (1 - eta * ev[..., -1]).abs())
+
+
+def optimal_step(H) -> torch.Tensor:
+    r"""The step :math:`2/(\lambda_{\min}+\lambda_{\max})` minimising :func:`linearised_rate`; the rate there is
+    :math:`(\kappa-1)/(\kappa+1)`, :math:`\kappa = \lambda_{\max}/\lambda_{\min}`."""
+    ev = torch.linalg.eigvalsh(check_psd("H", H, strict=True))
+    return 2.0 / (ev[..., 0] + ev[..., -1])
+
+
+def perp_jacobian(step: Callable[[torch.Tensor], torch.Tensor], G, U_perp, h: float = 1e-6) -> torch.Tensor:
+    r"""Central finite-difference Jacobian of a map :math:`G\mapsto G_+` restricted to the tangent block
+    :math:`B\mapsto B_+` with :math:`\delta G = B U_\perp`, :math:`B_+ = \delta G_+ U_\perp^\top`, in the row-major
+    vec convention of :func:`schur_curvature`. ``G (..., k, d)``; returns ``(..., k(d-k), k(d-k))``."""
+    if not callable(step):
+        raise TypeError("step must be callable G -> G_plus")
+    h = check_positive("h", h)
+    G = check_finite("G", as_tensor("G", G))
+    k, r = G.shape[-2], U_perp.shape[-2]
+    cols = []
+    for a in range(k):
+        for b in range(r):
+            E = torch.zeros(*G.shape[:-2], k, r, dtype=G.dtype, device=G.device)
+            E[..., a, b] = 1.0
+            D = E @ U_perp
+            diff = (step(G + h * D) - step(G - h * D)) / (2 * h)
+            cols.append((diff @ U_perp.transpose(-2, -1)).reshape(*G.shape[:-2], k * r))
+    return torch.stack(cols, dim=-1)
+
+
+def fitted_rate(trace, steps, *, window: tuple[float, float] = (1e-10, 1e-2), min_step: int = 0):
+    r"""Per-seed geometric tail rate :math:`\rho` of a trace :math:`D_t\approx c\rho^t` (chapter 10).
+
+    Least squares of :math:`\log D_t` on :math:`t` over the points with ``window[0] < D_t < window[1]`` and
+    ``t >= min_step`` (above the floating-point floor, past the transient). Returns ``(rate, se, drift)``, each
+    ``(S,)``: :math:`\rho = e^{\text{slope}}`; its standard error by the delta method from the regression's
+    residuals; and ``drift``, :math:`|\rho_{\text{first half}} - \rho_{\text{second half}}|` of the window, which
+    measures how far the trace still is from a pure geometric tail. Seeds with fewer than 6 points give NaN."""
+    D = as_tensor("trace", trace, dtype=torch.float64).cpu()
+    st = as_tensor("steps", steps, dtype=torch.float64).cpu()
+    if D.dim() == 1:
+        D = D[None]
+    st = st.reshape(-1)[-D.shape[-1]:] if st.dim() == 1 else st[0]
+    if st.numel() != D.shape[-1]:
+        raise ValueError(f"steps must have {D.shape[-1]} entries to match trace, got {tuple(st.shape)}")
+    lo, hi = (check_positive("window", w) for w in window)
+    rates, ses, drifts = [], [], []
+
+    def fit(t, y):
+        A = torch.stack([t, torch.ones_like(t)], -1)
+        coef = torch.linalg.lstsq(A, y[:, None]).solution[:, 0]
+        res = y - A @ coef
+        cov = (res @ res) / max(len(t) - 2, 1) * torch.linalg.inv(A.T @ A)
+        return coef[0], cov[0, 0].clamp_min(0).sqrt()
+
+    for s in range(D.shape[0]):
+        m = (D[s] > lo) & (D[s] < hi) & (st >= min_step)
+        t, y = st[m], D[s][m].log()
+        if t.numel() < 6:
+            rates.append(math.nan), ses.append(math.nan), drifts.append(math.nan)
+            continue
+        slope, se = fit(t, y)
+        h = t.numel() // 2
+        s1, _ = fit(t[:h], y[:h])
+        s2, _ = fit(t[h:], y[h:])
+        rates.append(float(slope.exp())), ses.append(float(slope.exp() * se))
+        drifts.append(abs(float(s1.exp() - s2.exp())))
+    return tuple(torch.tensor(v, dtype=torch.float64) for v in (rates, ses, drifts))
+
+
+def noise_floor(eta, per_step_variance) -> torch.Tensor:
+    r"""Stationary second moment of :math:`e_{t+1} = (1-\eta)e_t + \eta\xi_t` with independent mean-zero
+    :math:`\xi_t`, :math:`\mathbb{E}\lVert\xi_t\rVert^2 = v`: :math:`\frac{\eta^2 v}{1-(1-\eta)^2} =
+    \frac{\eta}{2-\eta}\,v` for :math:`0<\eta<2` (chapter 10)."""
+    eta = as_tensor("eta", eta, dtype=torch.float64)
+    if bool(((eta <= 0) | (eta >= 2)).any()):
+        raise ValueError("eta must be in (0, 2) for a stationary noise floor")
+    v = as_tensor("per_step_variance", per_step_variance, dtype=torch.float64)
+    if bool((v < 0).any()):
+        raise ValueError("per_step_variance must be >= 0")
+    return eta / (2 - eta) * v
+
+
+# ============================================================================================ running
+def _needs_second(method: str, hp: dict) -> bool:
+    return hp.get("f_variant", DEFAULT_F_VARIANT.get(method, "refit_same")) == "refit_independent"
+
+
+def _record(problem: LinRepProblem, state: LinRepState) -> dict[str, torch.Tensor]:
+    return {
+        "subspace_distance": _dist(state.G, problem.Gstar),
+        "train_loss": _rep_loss(state.G, problem.Fstar, problem.Gstar, problem.Sigma_half),
+        "transfer_loss": _rep_loss(state.G, problem.Fstar_T, problem.Gstar, problem.Sigma_T_half),
+        "risk": excess_risk(state.F, state.G, problem),
+        "perp_norm2": (state.G - (state.G @ problem.Gstar.transpose(-2, -1)) @ problem.Gstar).square().sum((-2, -1)),
+    }
+
+
+#: On the CPU, :func:`run` iterates on one thread when a step's data tensor has fewer elements than this, because
+#: per-step tensors are then tiny and OpenMP's start-up cost per operation dominates (and stalls when cores are shared).
+ONE_THREAD_BELOW = 1_000_000
+
+
+@contextmanager
+def _one_thread_if_small(problem: LinRepProblem, batch_size: int | None):
+    size = problem.n_seeds * (batch_size or problem.d) * problem.d
+    if problem.device.type != "cpu" or size >= ONE_THREAD_BELOW:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run(method: str, problem: LinRepProblem, n_steps: int, batch_size: int | None, hp: dict, *,
+        init: LinRepState | None = None, record_every: int = 1,
+        generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    r"""Iterate ``UPDATES[method]`` for ``n_steps`` steps, a fresh batch of ``batch_size`` samples per step (and a
+    second independent one for ``'refit_independent'``); ``batch_size=None`` uses the population moments (the
+    deterministic population map). All seeds advance in one tensor program.
+
+    Returns traces of shape ``(S, T_rec)`` recorded at steps ``0, record_every, ...`` (and the last step):
+    ``'subspace_distance'`` (:math:`\sin\psi_{\max}`), ``'train_loss'`` and ``'transfer_loss'`` (the excess
+    population risks of :math:`G_t` with its best head, :func:`representation_loss`), ``'risk'`` (the excess
+    population risk of the held pair, :func:`excess_risk`), ``'perp_norm2'`` (:math:`\lVert G_t\Pi_\perp\rVert_F^2`,
+    the component the exact identity of chapter 10 contracts), ``'step'`` (the step indices), plus ``'final_F'``,
+    ``'final_G'`` ``(S, ...)``.
+    """
+    if method not in UPDATES:
+        raise ValueError(f"method must be one of {sorted(UPDATES)}, got {method!r}")
+    if not isinstance(problem, LinRepProblem):
+        raise TypeError(f"problem must be a LinRepProblem, got {type(problem).__name__}")
+    n_steps = check_int("n_steps", n_steps, min_value=0)
+    if batch_size is not None:
+        batch_size = check_int("batch_size", batch_size, min_value=1)
+    record_every = check_int("record_every", record_every, min_value=1)
+    _hp(hp, method)                                         # validate once, up front
+    fn = UPDATES[method]
+    gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    state = init if init is not None else init_state(problem, gen)
+    if not isinstance(state, LinRepState):
+        raise TypeError(f"init must be a LinRepState, got {type(state).__name__}")
+    with _one_thread_if_small(problem, batch_size):
+        return _iterate(fn, method, problem, n_steps, batch_size, hp, state, record_every, gen)
+
+
+def _iterate(fn, method, problem, n_steps, batch_size, hp, state, record_every, gen) -> dict[str, torch.Tensor]:
+    second = _needs_second(method, hp)
+    pop = problem.population_batch() if batch_size is None else None
+    recs, steps = [_record(problem, state)], [0]
+    for t in range(1, n_steps + 1):
+        if pop is not None:
+            batch = pop
+        else:
+            X, Y = problem.sample(batch_size, gen)
+            batch = {"X": X, "Y": Y}
+            if second:
+                batch["X2"], batch["Y2"] = problem.sample(batch_size, gen)
+        state = fn(problem, state, batch, hp)
+        if t % record_every == 0 or t == n_steps:
+            recs.append(_record(problem, state))
+            steps.append(t)
+    out = {key: torch.stack([r[key] for r in recs], dim=-1) for key in recs[0]}
+    out["step"] = torch.tensor(steps).expand(problem.n_seeds, -1)
+    out["final_F"], out["final_G"] = state.F, state.G
+    return out
+
+
+def run_looped(method: str, problem: LinRepProblem, n_steps: int, batch_size: int | None, hp: dict, *,
+               init: LinRepState | None = None, record_every: int = 1,
+               generator: torch.Generator | None = None, generator_seed: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`run` seed by seed (a Python loop over ``S`` problems with ``S = 1``), for the benchmark. Each seed
+    draws its own batches — from ``generator`` in turn when given, else from a generator on the problem's device
+    seeded ``generator_seed + s`` — so the result is statistically, not bitwise, the same as :func:`run`'s."""
+    generator_seed = check_int("generator_seed", generator_seed, min_value=0)
+    outs = []
+    for s in range(problem.n_seeds):
+        sub = problem.select(s)
+        st = None if init is None else LinRepState(init.F[s:s + 1], init.G[s:s + 1], init.t, dict(init.extra))
+        g = generator if generator is not None else torch.Generator(device=problem.device).manual_seed(generator_seed + s)
+        outs.append(run(method, sub, n_steps, batch_size, hp, init=st, record_every=record_every, generator=g))
+    return {key: torch.cat([o[key] for o in outs], dim=0) for key in outs[0]}
