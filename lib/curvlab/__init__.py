@@ -15,6 +15,12 @@ One module per subject the book teaches, plus shared tools:
 ``primer``      toy least-squares problems, Hessian = GN + residual part, Fisher vs empirical Fisher, K-FAC blocks
 ``regimes``     NTK / mean-field / µP scalings of two-layer networks, lazy vs rich training
 ``rmt``         Marchenko–Pastur law, ridge deterministic equivalent, spikes (BBP), Grassmann geodesics
+``linrep``      Part I: linear representation learning — data, K-FAC/AMGD/DFW updates, subspace metrics, Schur curvature
+``linrep_baselines`` Part I baselines: NGD (structured), Adam, Shampoo, whitening / batch-norm + AMGD
+``singleindex`` Part I: one giant step in single-index models — spikes, deterministic-equivalent cosines, risk
+``synthesis``   K-FAC as structured GN (eigenvalues {1, 2}), Kronecker error, probes of open questions
+``interact``    sliders in a live kernel, small multiples in the static book
+``paper_runs``  registry of paper-scale grids run outside the book build (``make sweeps``)
 
 Call :func:`setup` once at the top of a notebook.
 """
@@ -26,7 +32,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt")
+_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt", "linrep", "linrep_baselines", "singleindex", "synthesis", "interact", "paper_runs")
 __all__ = ["setup", "__version__", *_SUBMODULES]
 
 
