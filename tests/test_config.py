@@ -71,3 +71,17 @@ def test_mps_spectral_work_in_linalg_and_curvature_runs_on_cpu_float64(mocked_mp
     assert cn.rank == 3 and cn.rtol == 5 * torch.finfo(torch.float32).eps  # default rtol from the input dtype
     assert len(eigh_spy) == 2
     assert all(dt == torch.float64 and dev.type == "cpu" and t is torch.Tensor for dt, dev, t in eigh_spy)
+
+
+def test_cpu_threads_sets_and_restores():
+    import torch
+
+    before = torch.get_num_threads()
+    with config.cpu_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with config.cpu_threads(1, when=False):
+        assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="n must be"):
+        with config.cpu_threads(0):
+            pass

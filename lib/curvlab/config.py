@@ -18,11 +18,13 @@ routes such work to the CPU there (see :func:`spectral_device`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ __all__ = [
     "seed_everything",
     "set_deterministic",
     "in_book_build",
+    "cpu_threads",
     "git_revision",
     "RunInfo",
 ]
@@ -192,3 +195,24 @@ class RunInfo:
             f"(spectral: float64 on {spectral_device(self.device)}) | seed={self.seed} | torch {self.torch_version} "
             f"| rev {self.revision}"
         )
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int, *, when: bool = True, device: torch.device | str | None = None) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads on the CPU, then restore the setting.
+
+    Small per-step tensors and batched CPU eigen-solvers lose more to OpenMP start-up and oversubscription than
+    they gain from threads, badly so when cores are shared. Nothing changes when ``when`` is false, when
+    ``device`` is not the CPU, or when the setting is already ``n``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not when or (device is not None and torch.device(device).type != "cpu") or torch.get_num_threads() == n:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -42,13 +42,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from . import linalg
+from . import config, linalg
 from ._validate import (
     as_tensor,
     check_choice,
@@ -780,18 +779,9 @@ def _record(problem: LinRepProblem, state: LinRepState) -> dict[str, torch.Tenso
 ONE_THREAD_BELOW = 1_000_000
 
 
-@contextmanager
 def _one_thread_if_small(problem: LinRepProblem, batch_size: int | None):
     size = problem.n_seeds * (batch_size or problem.d) * problem.d
-    if problem.device.type != "cpu" or size >= ONE_THREAD_BELOW:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return config.cpu_threads(1, when=size < ONE_THREAD_BELOW, device=problem.device)
 
 
 def run(method: str, problem: LinRepProblem, n_steps: int, batch_size: int | None, hp: dict, *,

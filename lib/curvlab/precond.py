@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -708,19 +707,10 @@ def run(method: str, problem: LayerProblem, n_steps: int, eta, **opts) -> torch.
         return _iterate(method, problem, T, eta, opts)
 
 
-@contextmanager
 def _one_thread_if_small(problem: LayerProblem):
     """Per-step tensors of a small problem are tiny: on the CPU, OpenMP's start-up cost per operation dominates and
     stalls badly when cores are shared, so :func:`run` iterates on one thread and restores the setting after."""
-    if problem.X.device.type != "cpu" or problem.H.shape[-1] > 1024:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return config.cpu_threads(1, when=problem.H.shape[-1] <= 1024, device=problem.X.device)
 
 
 def _iterate(method: str, problem: LayerProblem, T: int, eta: torch.Tensor, opts: dict) -> torch.Tensor:

@@ -29,7 +29,6 @@ Spectral work runs in float64 on :func:`curvlab.config.spectral_device` of the i
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -79,24 +78,11 @@ def _real(name: str, value, *, like: torch.Tensor | None = None) -> torch.Tensor
     return t.to(device=config.spectral_device(dev), dtype=torch.float64)
 
 
-@contextlib.contextmanager
 def _single_threaded_lapack(t: torch.Tensor):
-    """Run a batched CPU eigen-solver with one intra-op thread, then restore the setting.
-
-    torch's batched ``eigh``/``eigvalsh`` on the CPU nests its own parallelism with the threaded LAPACK
-    kernels; on a loaded machine this oversubscribes the cores and a (40, 200, 200) ``eigvalsh`` measured 20x
-    slower with 2 threads than with 1 (matrix products were unaffected). The matrices here are small enough
-    that one thread per call loses little when the machine is idle. GPU tensors are left alone.
-    """
-    if t.device.type != "cpu" or torch.get_num_threads() == 1:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    """One intra-op thread for a batched CPU eigen-solver: torch's batched ``eigh``/``eigvalsh`` nests its own
+    parallelism with the threaded LAPACK kernels, and a (40, 200, 200) ``eigvalsh`` measured 20x slower with 2
+    threads than with 1 on a loaded machine (matrix products were unaffected). GPU tensors are left alone."""
+    return config.cpu_threads(1, device=t.device)
 
 
 def _eigvalsh(A: torch.Tensor) -> torch.Tensor:
