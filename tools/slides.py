@@ -56,22 +56,11 @@ ADMONITIONS = {"note", "tip", "hint", "important", "warning", "caution", "attent
 
 # ------------------------------------------------------------------------------------------------ chapters
 def toc_chapters() -> list[Path]:
-    """Chapter notebooks listed in ``_toc.yml``, in order."""
-    found: list[Path] = []
+    """Chapter notebooks listed in ``_toc.yml``, in order (the book build's own list)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from build_book import toc_notebooks
 
-    def walk(node: object) -> None:
-        if isinstance(node, dict):
-            f = node.get("file") or node.get("root")
-            if isinstance(f, str) and (ROOT / f"{f}.ipynb").exists():
-                found.append(ROOT / f"{f}.ipynb")
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(yaml.safe_load((ROOT / "_toc.yml").read_text()))
-    return found
+    return toc_notebooks()
 
 
 def resolve_chapters(names: list[str]) -> list[Path]:
