@@ -415,12 +415,16 @@ def _step_size(name: str, value: Any) -> float | torch.Tensor:
     return check_positive(name, value)
 
 
-def _head_for_step(state: LinRepState, batch: dict, hp: dict) -> torch.Tensor:
-    """The head the G-step uses, per ``hp['f_variant']`` (the F-gradient variant returns the current F)."""
+def _head_for_step(state: LinRepState, batch: dict, hp: dict, moments=None) -> torch.Tensor:
+    """The head the G-step uses, per ``hp['f_variant']`` (the F-gradient variant returns the current F).
+    ``moments``: the step batch's ``(Sxx, Syx)`` if the caller has them already (reused for ``'refit_same'``)."""
     v = hp["f_variant"]
     if v in ("fixed", "gradient"):
         return state.F
-    Sxx, Syx = batch_moments(batch, second=(v == "refit_independent"))
+    if v == "refit_same" and moments is not None:
+        Sxx, Syx = moments
+    else:
+        Sxx, Syx = batch_moments(batch, second=(v == "refit_independent"))
     return head_from_moments(state.G, Sxx, Syx, hp["lam_head"])
 
 
@@ -450,7 +454,7 @@ def sgd_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict
     :math:`F \leftarrow F - \eta_F\nabla_F\mathcal{L}`, both gradients at :math:`(F_t, G_t)` on the same batch."""
     hp = _hp(hp, "SGD")
     Sxx, Syx = batch_moments(batch)
-    F = _head_for_step(state, batch, hp)
+    F = _head_for_step(state, batch, hp, (Sxx, Syx))
     G = state.G - _step_scale(F, Sxx, hp) * grad_G(F, state.G, Sxx, Syx)
     return _finish(state, F, G, Sxx, Syx, hp)
 
@@ -461,7 +465,7 @@ def amgd_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dic
     G_t)` on the same batch."""
     hp = _hp(hp, "AMGD")
     Sxx, Syx = batch_moments(batch)
-    F = _head_for_step(state, batch, hp)
+    F = _head_for_step(state, batch, hp, (Sxx, Syx))
     G = state.G - _step_scale(F, Sxx, hp) * grad_G(F, state.G, Sxx, Syx)
     return _finish(state, F, G, Sxx, Syx, hp)
 
@@ -475,7 +479,7 @@ def kfac_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dic
     """
     hp = _hp(hp, "K-FAC")
     Sxx, Syx = batch_moments(batch)
-    F = _head_for_step(state, batch, hp)
+    F = _head_for_step(state, batch, hp, (Sxx, Syx))
     C_out = F.transpose(-2, -1) @ F + hp["lam_F"] * _eye(F.shape[-1], F)
     C_in = Sxx + hp["lam_G"] * _eye(Sxx.shape[-1], Sxx)
     step = torch.linalg.solve(C_out, _right_solve(grad_G(F, state.G, Sxx, Syx), C_in))
@@ -491,7 +495,7 @@ def dfw_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict
     """
     hp = _hp(hp, "DFW")
     Sxx, Syx = batch_moments(batch)
-    F = _head_for_step(state, batch, hp)
+    F = _head_for_step(state, batch, hp, (Sxx, Syx))
     C_in = Sxx + hp["lam_G"] * _eye(Sxx.shape[-1], Sxx)
     step = _right_solve(grad_G(F, state.G, Sxx, Syx), C_in)
     if hp.get("normalize_step", False):
