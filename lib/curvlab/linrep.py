@@ -768,6 +768,38 @@ def _needs_second(method: str, hp: dict) -> bool:
     return hp.get("f_variant", DEFAULT_F_VARIANT.get(method, "refit_same")) == "refit_independent"
 
 
+def _check_run(method: str, problem: Any, n_steps: Any, batch_size: Any, hp: Any, record_every: Any, *,
+               min_steps: int = 0) -> tuple[int, int | None, int]:
+    """Validate the arguments every runner of this module (and of ``linrep_baselines``) takes."""
+    if method not in UPDATES:
+        raise ValueError(f"method must be one of {sorted(UPDATES)}, got {method!r}")
+    if not isinstance(problem, LinRepProblem):
+        raise TypeError(f"problem must be a LinRepProblem, got {type(problem).__name__}")
+    n_steps = check_int("n_steps", n_steps, min_value=min_steps)
+    if batch_size is not None:
+        batch_size = check_int("batch_size", batch_size, min_value=1)
+    record_every = check_int("record_every", record_every, min_value=1)
+    _hp(hp, method)                                         # validate once, up front
+    return n_steps, batch_size, record_every
+
+
+def _batches(method: str, problem: LinRepProblem, n_steps: int, batch_size: int | None, hp: dict,
+             gen: torch.Generator):
+    """The batch of each step: the population moments when ``batch_size`` is None, else fresh samples (and a
+    second independent batch when the method's head is fit on one)."""
+    second = _needs_second(method, hp)
+    pop = problem.population_batch() if batch_size is None else None
+    for _ in range(n_steps):
+        if pop is not None:
+            yield pop
+            continue
+        X, Y = problem.sample(batch_size, gen)
+        batch = {"X": X, "Y": Y}
+        if second:
+            batch["X2"], batch["Y2"] = problem.sample(batch_size, gen)
+        yield batch
+
+
 def _record(problem: LinRepProblem, state: LinRepState) -> dict[str, torch.Tensor]:
     return {
         "subspace_distance": _dist(state.G, problem.Gstar),
@@ -802,15 +834,7 @@ def run(method: str, problem: LinRepProblem, n_steps: int, batch_size: int | Non
     the component the exact identity of chapter 10 contracts), ``'step'`` (the step indices), plus ``'final_F'``,
     ``'final_G'`` ``(S, ...)``.
     """
-    if method not in UPDATES:
-        raise ValueError(f"method must be one of {sorted(UPDATES)}, got {method!r}")
-    if not isinstance(problem, LinRepProblem):
-        raise TypeError(f"problem must be a LinRepProblem, got {type(problem).__name__}")
-    n_steps = check_int("n_steps", n_steps, min_value=0)
-    if batch_size is not None:
-        batch_size = check_int("batch_size", batch_size, min_value=1)
-    record_every = check_int("record_every", record_every, min_value=1)
-    _hp(hp, method)                                         # validate once, up front
+    n_steps, batch_size, record_every = _check_run(method, problem, n_steps, batch_size, hp, record_every)
     fn = UPDATES[method]
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
     state = init if init is not None else init_state(problem, gen)
@@ -821,17 +845,8 @@ def run(method: str, problem: LinRepProblem, n_steps: int, batch_size: int | Non
 
 
 def _iterate(fn, method, problem, n_steps, batch_size, hp, state, record_every, gen) -> dict[str, torch.Tensor]:
-    second = _needs_second(method, hp)
-    pop = problem.population_batch() if batch_size is None else None
     recs, steps = [_record(problem, state)], [0]
-    for t in range(1, n_steps + 1):
-        if pop is not None:
-            batch = pop
-        else:
-            X, Y = problem.sample(batch_size, gen)
-            batch = {"X": X, "Y": Y}
-            if second:
-                batch["X2"], batch["Y2"] = problem.sample(batch_size, gen)
+    for t, batch in enumerate(_batches(method, problem, n_steps, batch_size, hp, gen), start=1):
         state = fn(problem, state, batch, hp)
         if t % record_every == 0 or t == n_steps:
             recs.append(_record(problem, state))

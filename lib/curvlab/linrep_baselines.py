@@ -293,22 +293,14 @@ def run_normalised(method: str, problem: LinRepProblem, n_steps: int, batch_size
     as ``linrep.run`` with the same generator."""
     if method not in ("whitening+AMGD", "batchnorm+AMGD"):
         raise ValueError(f"method must be 'whitening+AMGD' or 'batchnorm+AMGD', got {method!r}")
-    if not isinstance(problem, LinRepProblem):
-        raise TypeError(f"problem must be a LinRepProblem, got {type(problem).__name__}")
-    n_steps = check_int("n_steps", n_steps, min_value=1)
-    if batch_size is not None:
-        batch_size = check_int("batch_size", batch_size, min_value=1)
-    record_every = check_int("record_every", record_every, min_value=1)
-    linrep._hp(hp, method)
+    n_steps, batch_size, record_every = linrep._check_run(method, problem, n_steps, batch_size, hp, record_every,
+                                                          min_steps=1)
     fn = linrep.UPDATES[method]
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
     state = linrep.init_state(problem, gen)
-    pop = problem.population_batch() if batch_size is None else None
     recs, steps = [], []
-    for t in range(1, n_steps + 1):
-        if pop is None:
-            X, Y = problem.sample(batch_size, gen)
-        state = fn(problem, state, pop if pop is not None else {"X": X, "Y": Y}, hp)
+    for t, batch in enumerate(linrep._batches(method, problem, n_steps, batch_size, hp, gen), start=1):
+        state = fn(problem, state, batch, hp)
         if t % record_every == 0 or t == n_steps:
             recs.append(normalised_metrics(problem, state))
             steps.append(t)
