@@ -99,6 +99,50 @@ def test_tail_rate():
     assert abs(float(r2) - 0.8) < 1e-10 and float(w2) < 100
 
 
+def _quadratic_iteration(mu, T=400, seed=0):
+    """b <- M b + 0.3 |b|^2 u on a symmetric map M with eigenvalues mu (eigenvectors Q), u a fixed unit vector."""
+    g = torch.Generator().manual_seed(seed)
+    Q = torch.linalg.qr(torch.randn(len(mu), len(mu), generator=g, dtype=D64))[0]
+    M = Q @ torch.diag(torch.tensor(mu, dtype=D64)) @ Q.T
+    u = torch.randn(len(mu), generator=g, dtype=D64)
+    b = [1e-2 * torch.randn(len(mu), generator=g, dtype=D64)]
+    for _ in range(T):
+        b.append(M @ b[-1] + 0.3 * b[-1].norm() ** 2 * u / u.norm())
+    B = torch.stack(b)
+    return B, Q, B.norm(dim=-1)
+
+
+def test_mode_rate_recovers_the_slowest_eigenvalue_within_its_bound():
+    mu = [0.9, 0.899, 0.85, 0.5, 0.1]           # nearly degenerate slowest pair: the distance's tail rate drifts
+    B, Q, dist = _quadratic_iteration(mu)
+    rate, bound, w = sy.mode_rate(B, Q[:, 0], mu[0], dist, floor=1e-12)
+    assert abs(float(rate) - 0.9) <= float(bound) and float(bound) < 1e-4 and float(w) == 7
+    # a wrong eigenvector (mixing the slowest pair) is not a mode: its rate misses its own eigenvalue
+    v_wrong = (Q[:, 0] + Q[:, 2]) / 2 ** 0.5
+    rate_w, bound_w, _ = sy.mode_rate(B, v_wrong, 0.875, dist, floor=1e-12)
+    assert abs(float(rate_w) - 0.875) > float(bound_w)
+    # batched: the same numbers per entry
+    r2, b2, _ = sy.mode_rate(torch.stack([B, B]), torch.stack([Q[:, 0], Q[:, 0]]), torch.tensor([0.9, 0.9], dtype=D64),
+                             torch.stack([dist, dist]), floor=1e-12)
+    assert torch.allclose(r2, rate.expand(2)) and torch.allclose(b2, bound.expand(2))
+
+
+def test_mode_rate_bad_input():
+    B, Q, dist = _quadratic_iteration([0.9, 0.5], T=50)
+    with pytest.raises(ValueError, match="mu must lie"):
+        sy.mode_rate(B, Q[:, 0], 1.2, dist)
+    with pytest.raises(ValueError, match="v must have shape"):
+        sy.mode_rate(B, Q[:1, 0], 0.9, dist)
+    with pytest.raises(ValueError, match="dist"):
+        sy.mode_rate(B, Q[:, 0], 0.9, dist[:-1])
+    with pytest.raises(ValueError, match="run longer"):
+        sy.mode_rate(B, Q[:, 0], 0.9, dist, floor=1.0)
+    with pytest.raises(ValueError, match="finite"):
+        sy.mode_rate(B * float("nan"), Q[:, 0], 0.9, dist)
+    with pytest.raises(ValueError, match="coords must be"):
+        sy.mode_rate(B[0], Q[:, 0], 0.9, dist)
+
+
 def test_softmax_ggn_against_hessian_at_linear_model():
     # for a linear softmax model the GGN equals the Hessian of the cross-entropy exactly
     g = torch.Generator().manual_seed(6)

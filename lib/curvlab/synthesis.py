@@ -52,6 +52,7 @@ __all__ = [
     "kronecker_error",
     "leaky_kfac_report",
     "tail_rate",
+    "mode_rate",
     "stack_problems",
     "softmax_ggn",
     "minibatch_gn",
@@ -249,6 +250,59 @@ def tail_rate(trace, window: int, floor: float = 0.0) -> tuple[torch.Tensor, tor
         out[:, i] = torch.stack([r1, (r1 - r0).abs(), torch.tensor(float(w), dtype=e.dtype)])
     rate, drift, ws = (o.reshape(e.shape[:-1]) for o in out)
     return rate, drift, ws
+
+
+def mode_rate(coords, v, mu, dist, floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Measured decay rate of an iteration's component along a **predicted** eigenvector, with its error bound.
+
+    ``coords (..., T+1, p)`` are the iterates' tangent coordinates :math:`b_t` (for AMGD, :math:`\operatorname{vec}
+    (G_tU_\perp^\top)`, row by row), ``v (..., p)`` the predicted slowest eigenvector of the linearised map with
+    eigenvalue ``mu (...)``, and ``dist (..., T+1)`` the iterates' distance to the fixed point, used to stop before
+    rounding level (the last index with ``dist > floor``). If the prediction is right, :math:`c_t = v^\top b_t`
+    obeys :math:`c_{t+1} = \mu c_t + O(\lVert b_t\rVert^2)` whatever the other modes do (a symmetric map keeps
+    its eigenvectors orthogonal), so the per-step ratios :math:`r_t = c_{t+1}/c_t` equal :math:`\mu` up to a bias
+    :math:`\beta_t = O(\lVert b_t\rVert)` and rounding; if it is wrong, :math:`c_t` follows the true slowest mode
+    and the ratios converge to another number.
+
+    The window is the last :math:`w = \lceil\ln 2/(-\ln\mu)\rceil` steps (at least 2): over it the iterate
+    shrinks by a factor of at least two, so the bias at its start is at least twice the bias at its end. Returns
+    ``(rate, bound, w)``: ``rate`` the geometric mean of the window's ratios and ``bound = 4 max_t|r_t - rate|``,
+    which bounds :math:`|\text{rate} - \mu|` for a monotonically decaying bias: the mean bias is at most the
+    bias at the start, :math:`\beta_s \le 2(\beta_s - \beta_e)`, and the range :math:`\beta_s - \beta_e` is
+    at most twice the largest deviation from the mean (chapter 40)."""
+    b = config.spectral(check_finite("coords", as_tensor("coords", coords)))
+    v = check_finite("v", as_tensor("v", v, dtype=b.dtype, device=b.device))
+    mu = check_finite("mu", as_tensor("mu", mu, dtype=b.dtype, device=b.device))
+    e = check_finite("dist", as_tensor("dist", dist, dtype=b.dtype, device=b.device))
+    floor = check_nonnegative("floor", floor)
+    if b.dim() < 2:
+        raise ValueError(f"coords must be (..., T+1, p), got shape {tuple(b.shape)}")
+    if v.shape != b.shape[:-2] + b.shape[-1:]:
+        raise ValueError(f"v must have shape {tuple(b.shape[:-2] + b.shape[-1:])} to match coords, got {tuple(v.shape)}")
+    if mu.shape != b.shape[:-2] or e.shape != b.shape[:-1]:
+        raise ValueError(f"mu must have shape {tuple(b.shape[:-2])} and dist {tuple(b.shape[:-1])}, got "
+                         f"{tuple(mu.shape)} and {tuple(e.shape)}")
+    if bool(((mu <= 0) | (mu >= 1)).any()):
+        raise ValueError("mu must lie in (0, 1): the predicted rate of a contracting map")
+    c = (b * v.unsqueeze(-2)).sum(-1)
+    flat_c, flat_e, flat_mu = c.reshape(-1, c.shape[-1]), e.reshape(-1, e.shape[-1]), mu.reshape(-1)
+    out = torch.empty(3, flat_c.shape[0], dtype=b.dtype)
+    for i, (ci, ei, mi) in enumerate(zip(flat_c, flat_e, flat_mu)):
+        above = torch.nonzero(ei > floor).reshape(-1)
+        end = int(above[-1]) if above.numel() else -1
+        w = max(2, math.ceil(math.log(2.0) / -math.log(float(mi))))
+        if end - w < 0:
+            raise ValueError(f"iteration {i} has only {end + 1} iterates above floor={floor:g}; the window needs "
+                             f"{w + 1} (run longer or start closer)")
+        seg = ci[end - w:end + 1]
+        if bool((seg == 0).any()) or bool((seg[1:] / seg[:-1] <= 0).any()):
+            raise ValueError(f"iteration {i}: the component along v changes sign or vanishes in the window, so v "
+                             "is not a slowest mode of this iteration")
+        ratios = seg[1:] / seg[:-1]
+        rate = ratios.log().mean().exp()
+        out[:, i] = torch.stack([rate, 4 * (ratios - rate).abs().max(), torch.tensor(float(w), dtype=b.dtype)])
+    rate, bound, ws = (o.reshape(mu.shape) for o in out)
+    return rate, bound, ws
 
 
 def stack_problems(problems: Sequence):
