@@ -411,3 +411,67 @@ def test_paper_runs_registry_run_and_load(tmp_path):
     assert set(prov["device"]) == {None} or prov["device"].notna().any()
     with pytest.raises(ValueError, match="registered paper runs"):
         paper_runs.get("ch99")
+
+
+def _tiny(name, keep=None):
+    """The registered grid `name` shrunk to a few tiny cells (every profile), for tests of the section."""
+    from dataclasses import replace
+
+    from curvlab import paper_runs
+
+    small = {"ch20_gn_flows": dict(n=12, m=8, seeds=[0], max_steps=3),
+             "ch21_regimes": dict(n=12, m=8, n_test=16, seeds=[0], max_steps=3),
+             "ch22_real_data": dict(n=10, m=6, n_test=16, seeds=[0], max_steps=2),
+             "ch30_mp_limit": dict(R=3), "ch31_depth_law": dict(depths=[32, 40], R=2),
+             "ch32_leaky": dict(R=1, n_images=8)}[name]
+    r = paper_runs.get(name)
+    cfgs = r.configs("quick")
+    cfgs = [dict(c, **small) for c in (cfgs[:2] + cfgs[-1:] if len(cfgs) > 2 else cfgs)]
+    cfgs = list({str(sorted(c.items())): c for c in cfgs}.values())[:keep]
+    return replace(r, grids={p: (lambda cfgs=cfgs: cfgs) for p in ("quick", "standard", "paper")})
+
+
+@pytest.mark.parametrize("name", ["ch20_gn_flows", "ch21_regimes", "ch22_real_data", "ch30_mp_limit",
+                                  "ch31_depth_law", "ch32_leaky"])
+def test_paper_run_summary_draws_its_frame(name):
+    from curvlab import paper_runs
+
+    r = _tiny(name)
+    frame = sw.sweep(r.fn, r.configs("quick"), cache_dir=False, progress=False)
+    fig, alt, caption = r.summary(frame)
+    assert fig.axes and len(alt) > 40 and len(caption) > 40
+    assert any(ax.lines for ax in fig.axes)                      # something was drawn from the frame
+
+
+def test_paper_run_section_reads_computes_and_reports_partial_grids(tmp_path, monkeypatch, capsys):
+    from curvlab import paper_runs
+
+    monkeypatch.setenv("CURVLAB_PROFILE", "quick")
+    slow = _tiny("ch21_regimes")
+    cheap = _tiny("ch30_mp_limit")
+    monkeypatch.setitem(paper_runs.REGISTRY, "ch21_regimes", slow)
+    monkeypatch.setitem(paper_runs.REGISTRY, "ch30_mp_limit", cheap)
+    # nothing cached: only the note and the command, no figure, nothing computed (quick: every grid is read)
+    for name in ("ch21_regimes", "ch30_mp_limit"):
+        sec = paper_runs.section(name, cache_dir=tmp_path)
+        assert sec.done == 0 and sec.figure is None and sec.frame.empty
+        assert f"make sweeps PROFILE=quick ONLY={name}" in capsys.readouterr().out
+    assert cache_info(tmp_path).empty
+    # one cell of three run by `make sweeps`: the section shows it and says the rest is missing
+    monkeypatch.setitem(paper_runs.REGISTRY, "ch21_regimes", _tiny("ch21_regimes", keep=1))
+    paper_runs.run("ch21_regimes", "quick", cache_dir=tmp_path, progress=False)
+    monkeypatch.setitem(paper_runs.REGISTRY, "ch21_regimes", slow)
+    sec = paper_runs.section("ch21_regimes", cache_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert (sec.done, sec.total) == (1, len(slow.configs("quick"))) and sec.figure is not None
+    assert "Partial: 1 of" in sec.figure.caption and "not in the cache" in out and "provenance: 1 cells" in out
+    assert len(sec.provenance) == 1 and sec.provenance["wall_s"].iloc[0] > 0
+    # paper profile: a cheap (Part III) grid is computed in the book, a costly one never is
+    monkeypatch.setenv("CURVLAB_PROFILE", "paper")
+    sec = paper_runs.section("ch30_mp_limit", cache_dir=tmp_path)
+    assert sec.done == sec.total == len(cheap.configs("paper")) and sec.figure is not None
+    assert set(sec.frame["device"]) == {"cpu"} and "computed in the book" in capsys.readouterr().out
+    sec = paper_runs.section("ch21_regimes", cache_dir=tmp_path)
+    assert sec.done == 1                                         # the same tiny grid in every profile: 1 cached
+    with pytest.raises(ValueError, match="registered paper runs"):
+        paper_runs.section("ch99", cache_dir=tmp_path)

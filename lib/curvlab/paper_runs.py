@@ -34,7 +34,8 @@ import torch
 
 from . import config, sweep as _sweep
 
-__all__ = ["PaperRun", "Loaded", "REGISTRY", "names", "get", "load", "run", "estimate", "command"]
+__all__ = ["PaperRun", "Loaded", "Section", "REGISTRY", "names", "get", "load", "run", "section", "estimate",
+           "command"]
 
 _PROFILES = ("quick", "standard", "paper")
 _COMMON = ("paper_runs", "config", "_validate", "sweep")
@@ -55,6 +56,8 @@ class PaperRun:
     data: tuple[str, ...] = ()
     note: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    summary: Callable[[pd.DataFrame], tuple[Any, str, str]] | None = None
+    in_book: bool = False
 
     def configs(self, profile: str | None = None) -> list[dict[str, Any]]:
         """The grid of ``profile`` (default: ``$CURVLAB_PROFILE``)."""
@@ -205,7 +208,7 @@ def ch30_mp_limit(scale: int, R: int, seed: int) -> pd.DataFrame:
     sV, sW = torch.linalg.svdvals(V) ** 2, torch.linalg.svdvals(W) ** 2
     kappa = (sV[:, 0] + sW[:, 0]) / (sV[:, -1] + sW[:, -1])
     return pd.DataFrame({"m": 32 * scale, "net": range(R), "kappa": kappa.numpy(),
-                         "mp_limit": dl.mp_kappa_two_layer(16, 4, 32)})
+                         "mp_limit": dl.mp_kappa_two_layer(16, 4, 32), "device": str(kappa.device)})
 
 
 def ch31_depth_law(depths: list, R: int, seed: int) -> pd.DataFrame:
@@ -218,7 +221,7 @@ def ch31_depth_law(depths: list, R: int, seed: int) -> pd.DataFrame:
     for L in depths:
         k = dl.gn_condition(nets[L], method="svd").kappa
         rows += [{"L": L, "net": i, "log_kappa": float(v)} for i, v in enumerate(k.log())]
-    return pd.DataFrame(rows).assign(xi=dl.depth_slope(8, 4, 2))
+    return pd.DataFrame(rows).assign(xi=dl.depth_slope(8, 4, 2), device=str(nets[depths[0]][0].device))
 
 
 def ch32_leaky(m: int, R: int, n_images: int, seed: int) -> pd.DataFrame:
@@ -234,7 +237,7 @@ def ch32_leaky(m: int, R: int, n_images: int, seed: int) -> pd.DataFrame:
             c = dl.condition(torch.linalg.eigvalsh(dl.leaky_relu_gram(W, V, X, a)))
             rows.append({"net": net, "alpha": a, "kappa": float(c.kappa), "rank": c.rank,
                          "bound": float(dl.leaky_relu_bound(W, V, X, a))})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).assign(device=str(X.device))
 
 
 def _ch30_flops(scale, R, **_):
@@ -251,6 +254,148 @@ def _ch32_flops(m, R, n_images, **_):
     return R * 5 * (N * N * m * 2 + 9 * N ** 3)
 
 
+
+# --------------------------------------------------------------------------------------- chapter summaries
+# One figure per grid, drawn from the tidy frame alone (so a chapter in the paper profile shows what `make sweeps`
+# computed without re-running anything). Each returns (figure, alt text, caption).
+def _shades(n: int):
+    import matplotlib.pyplot as plt
+
+    return [plt.get_cmap("viridis")(x) for x in ([0.5] if n == 1 else [0.1 + 0.75 * i / (n - 1) for i in range(n)])]
+
+
+def _sizes(f: pd.DataFrame, *keys: str) -> str:
+    return ", ".join(f"{k} = {sorted(set(f[k]))[0] if f[k].nunique() == 1 else sorted(set(f[k]))}" for k in keys)
+
+
+def _summary_ch20(f: pd.DataFrame):
+    import matplotlib.pyplot as plt
+
+    from . import plotting
+
+    groups = list(f.groupby(["damping", "floor", "init_std"]))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for color, ((dmp, fl, sd), g) in zip(_shades(len(groups)), groups):
+        med = g[g.step > 0].groupby("fs_time").train_loss.median()
+        plotting.plot(ax, med.index, med.to_numpy(), "GN", color=color, markevery=max(1, len(med) // 8),
+                      label=f"{dmp} {fl:g}, sigma_0 = {sd:g}")
+    ax.set(xscale="log", yscale="log", xlabel="function-space time $t_f$", ylabel="training loss (median)")
+    ax.legend(fontsize="x-small", ncol=2)
+    return (fig, "Training loss against function-space time on log axes, one line per damping rule and initial "
+                 "scale of the registered GN-flow grid.",
+            f"GN flows of the registered grid ({_sizes(f, 'n', 'm')}; median over seeds): the damping rule "
+            "and floor against the initial scale sigma_0.")
+
+
+def _summary_ch21(f: pd.DataFrame):
+    import matplotlib.pyplot as plt
+
+    from . import plotting
+
+    acts = sorted(set(f.act))
+    fig, axes = plt.subplots(1, len(acts), figsize=(4.4 * len(acts), 3.5), sharey=True, squeeze=False)
+    for ax, a in zip(axes[0], acts):
+        for meth in ("GN", "GD", "RF"):
+            g = f[(f.act == a) & (f.method == meth) & (f.status != "diverged")]
+            if meth != "RF" and len(g):                  # the best step size per sigma_0 (median over seeds)
+                g = g.groupby(["init_std", "lr"]).test_loss.median().groupby("init_std").min().reset_index()
+            st = g.groupby("init_std").test_loss.agg(["median", "min", "max"])
+            if len(st):
+                plotting.plot(ax, st.index, st["median"], meth)
+                plotting.band(ax, st.index, st["min"], st["max"], meth)
+        ax.set(xscale="log", yscale="log", xlabel=r"$\sigma_0$", title=a)
+    axes[0, 0].set_ylabel("test loss at the stop")
+    axes[0, 0].legend(fontsize="small")
+    return (fig, "Test loss against the initial scale on log axes for GN, GD (best step size) and random "
+                 "features, one panel per activation.",
+            f"Hidden learning at the registered grid's sizes ({_sizes(f, 'n', 'm')}): GN and GD at their best "
+            "step size per sigma_0 (diverged runs dropped), and random features; bands over seeds.")
+
+
+def _summary_ch22(f: pd.DataFrame):
+    import matplotlib.pyplot as plt
+
+    from . import plotting
+
+    sets = sorted(set(f.dataset))
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.6 * len(sets), 3.5), squeeze=False)
+    for ax, ds in zip(axes[0], sets):
+        for meth in ("GN", "GD"):
+            g = f[(f.dataset == ds) & (f.method == meth) & (f.status != "diverged")]
+            for col, ls in (("train_loss", ":"), ("test_loss", "-")):
+                st = g.groupby("lr")[col].median()
+                if len(st):
+                    plotting.plot(ax, st.index, st.to_numpy(), meth, linestyle=ls,
+                                  label=f"{meth}, {col.replace('_', ' ')}")
+        ax.set(xscale="log", yscale="log", xlabel="learning rate", title=ds)
+    axes[0, 0].set_ylabel("loss at the stop (median)")
+    axes[0, 0].legend(fontsize="x-small")
+    return (fig, "Training and test loss against the learning rate on log axes for GN and GD, one panel per "
+                 "data set.",
+            f"The review's table as a figure ({_sizes(f, 'n', 'm')}): final training (dotted) and test (solid) "
+            "loss against the step size; diverged runs dropped.")
+
+
+def _summary_ch30(f: pd.DataFrame):
+    import matplotlib.pyplot as plt
+
+    from . import plotting
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.5))
+    st = f.groupby("m").kappa.agg(["median", "min", "max"])
+    plotting.band(ax, st.index, st["min"], st["max"], "kappa")
+    plotting.plot(ax, st.index, st["median"], "kappa", markevery=1, label=r"$\kappa(H_{GN})$, median")
+    ax.axhline(float(f.mp_limit.iloc[0]), **{**plotting.style("MP").kwargs(), "label": "Marchenko-Pastur limit"})
+    ax.set(xscale="log", xlabel="hidden width m  (d = m/2, d_y = m/8)", ylabel=r"$\kappa(H_{GN})$")
+    ax.legend(fontsize="small")
+    return (fig, "Condition number against width on a log axis, median line with range band, approaching a "
+                 "horizontal line at the Marchenko-Pastur limit.",
+            f"kappa(GN) of two-layer linear networks with all sizes scaled together ({f.R.iloc[0]} networks per "
+            "size): the spread shrinks and the median approaches the Marchenko-Pastur limit.")
+
+
+def _summary_ch31(f: pd.DataFrame):
+    import matplotlib.pyplot as plt
+
+    from . import plotting
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.5))
+    st = f.groupby("L").log_kappa.agg(["median", "min", "max"])
+    plotting.band(ax, st.index, st["min"], st["max"], "kappa")
+    plotting.plot(ax, st.index, st["median"], "kappa", markevery=1, label=r"$\log\kappa$, median")
+    xi, L0 = float(f.xi.iloc[0]), float(st.index[0])
+    plotting.plot(ax, st.index, st["median"].iloc[0] + 2 * xi * (st.index - L0), "theory",
+                  label=r"slope $2\xi$ (Lyapunov)")
+    ax.set(xlabel="depth L  (d = 4, m = 8, d_y = 2)", ylabel=r"$\log\kappa(H_{GN})$")
+    ax.legend(fontsize="small")
+    return (fig, "Log condition number against depth, a median line with a range band rising linearly, next "
+                 "to a theory line of the predicted slope.",
+            f"The depth law at the registered grid's depths ({f.R.iloc[0]} networks): log kappa grows linearly "
+            "in depth; the theory line has the slope of chapter 31's Lyapunov prediction, drawn from the "
+            "first depth.")
+
+
+def _summary_ch32(f: pd.DataFrame):
+    import matplotlib.pyplot as plt
+
+    from . import plotting
+
+    ms = sorted(set(f.m))
+    fig, ax = plt.subplots(figsize=(5.6, 3.6))
+    for color, m in zip(_shades(len(ms)), ms):
+        g = f[f.m == m].groupby("alpha")[["kappa", "bound"]].median()
+        plotting.plot(ax, g.index, g.kappa, "leaky-ReLU", color=color, markevery=1, label=f"m = {m}")
+        finite = g.bound[g.bound < float("inf")]
+        if len(finite):
+            plotting.plot(ax, finite.index, finite.to_numpy(), "bound", color=color, markevery=1, label=None)
+    ax.set(xscale="log", yscale="log", xlabel=r"slope $\alpha$", ylabel=r"$\kappa$ (solid), bound (dashed)")
+    ax.legend(fontsize="x-small", ncol=2)
+    return (fig, "Condition number against the leaky-ReLU slope on log axes, one line per width, with dashed "
+                 "bound lines where the bound is finite.",
+            "kappa of the leaky-ReLU GN matrix on digits against the slope alpha, one line per width (median "
+            "over networks); dashed: the chapter's bound where it is finite.")
+
+
 # ------------------------------------------------------------------------------------------- the table
 def _registry() -> dict[str, PaperRun]:
     runs = [
@@ -261,7 +406,7 @@ def _registry() -> dict[str, PaperRun]:
                   "standard": lambda: _ch20_grid(100, 400, 4, 1200, 3000),
                   "paper": lambda: _ch20_grid(500, 5000, 5, 1200, 3000)},
                  _ch20_flops, ("meanfield",),
-                 note="every step records the spectrum of K (an n x n eigenvalue problem)"),
+                 note="every step records the spectrum of K (an n x n eigenvalue problem)", summary=_summary_ch20),
         PaperRun("ch21_regimes", "21_meanfield_hidden_learning",
                  "GN, GD (7 step sizes each) and random features over the 7 initial scales, ReLU and SiLU",
                  ch21_regimes,
@@ -269,7 +414,8 @@ def _registry() -> dict[str, PaperRun]:
                   "standard": lambda: _ch21_grid(64, 128, 2000, 3, 800, 800, None, (0.1, 1.0, 10.0, 100.0)),
                   "paper": lambda: _ch21_grid(500, 5000, 10_000, 5, 150_000, 1_000_000, None, None)},
                  _ch21_flops, ("meanfield",),
-                 note="caps are the paper's (150 000 GN, 10^6 GD iterations); most GN runs stop far earlier"),
+                 note="caps are the paper's (150 000 GN, 10^6 GD iterations); most GN runs stop far earlier",
+                 summary=_summary_ch21),
         PaperRun("ch22_real_data", "22_meanfield_real_data",
                  "the review's MNIST table: GN and GD at 7 step sizes, digits and MNIST",
                  ch22_real_data,
@@ -277,14 +423,14 @@ def _registry() -> dict[str, PaperRun]:
                   "standard": lambda: _ch22_grid(("digits",), 40, 64, 1000, 3, 150),
                   "paper": lambda: _ch22_grid(("digits", "mnist"), 1000, 2000, 10_000, 5, 100_000)},
                  _ch22_flops, ("meanfield",), data=("MNIST (IDX files, $CURVLAB_MNIST_DIR)",),
-                 note="GN's kernel is (10 n) x (10 n): 10 000 x 10 000 at n = 1000"),
+                 note="GN's kernel is (10 n) x (10 n): 10 000 x 10 000 at n = 1000", summary=_summary_ch22),
         PaperRun("ch30_mp_limit", "30_gn_conditioning_structure",
                  "kappa(GN) of two-layer linear networks towards the Marchenko-Pastur limit",
                  ch30_mp_limit,
                  {"quick": lambda: _sweep.grid(scale=[4, 8, 16], R=[32], seed=[0]),
                   "standard": lambda: _sweep.grid(scale=[4, 8, 12, 16, 24], R=[48], seed=[0]),
                   "paper": lambda: _sweep.grid(scale=[4, 8, 16, 32, 64], R=[96], seed=[0])},
-                 _ch30_flops, ("deep_linear",)),
+                 _ch30_flops, ("deep_linear",), summary=_summary_ch30, in_book=True),
         PaperRun("ch31_depth_law", "31_gn_conditioning_factors",
                  "log kappa(GN) against depth of nested deep linear networks (the depth law)",
                  ch31_depth_law,
@@ -292,7 +438,8 @@ def _registry() -> dict[str, PaperRun]:
                   "standard": lambda: _sweep.grid(depths=[list(range(32, 193, 16))], R=[96], seed=[0]),
                   "paper": lambda: _sweep.grid(depths=[list(range(32, 257, 8))], R=[256], seed=[0])},
                  _ch31_flops, ("deep_linear",), data=("CIFAR-10 (the paper's whitening experiment, width 3100)",),
-                 note="the paper's CIFAR-10 networks are not reproduced by this grid (digits stand in)"),
+                 note="the paper's CIFAR-10 networks are not reproduced by this grid (digits stand in)",
+                 summary=_summary_ch31, in_book=True),
         PaperRun("ch32_leaky", "32_gn_conditioning_leaky_relu",
                  "kappa of the leaky-ReLU GN matrix on digits over width and slope, with the bound",
                  ch32_leaky,
@@ -300,7 +447,7 @@ def _registry() -> dict[str, PaperRun]:
                   "standard": lambda: _sweep.grid(m=[8, 12, 16, 32, 64, 128, 256], R=[8], n_images=[24], seed=[0]),
                   "paper": lambda: _sweep.grid(m=[8, 12, 16, 32, 64, 128, 256, 512], R=[20], n_images=[24],
                                                seed=[0])},
-                 _ch32_flops, ("deep_linear",)),
+                 _ch32_flops, ("deep_linear",), summary=_summary_ch32, in_book=True),
     ]
     return {r.name: r for r in runs}
 
@@ -351,6 +498,77 @@ def load(name: str, profile: str | None = None, *, cache_dir: str | os.PathLike 
     info = _sweep.cache_info(cache_dir, r.cache_name())
     mine = info["config"].map(lambda s: _sweep._config_json("config", json.loads(s)) in keys) & (info["code_hash"] == code)
     return Loaded(frame, info[mine].reset_index(drop=True), command(name, prof))
+
+
+class Section(NamedTuple):
+    """What :func:`section` returns: the (possibly partial) ``frame``, its ``provenance``, the regenerating
+    ``command``, the cells ``done`` out of ``total`` and the summary ``figure`` (``None`` without data)."""
+
+    frame: pd.DataFrame
+    provenance: pd.DataFrame
+    command: str
+    done: int
+    total: int
+    figure: Any
+
+
+def section(name: str, profile: str | None = None, *, cache_dir: str | os.PathLike | None = None) -> Section:
+    """A chapter's *paper-scale* section: the registered grid's frame in ``profile`` (default
+    ``$CURVLAB_PROFILE``), its provenance, the command that regenerates it, and its summary figure.
+
+    In the ``paper`` profile, cheap grids (``in_book``: Part III) are computed here, into the cache; the others
+    are only *read* from what ``make sweeps PROFILE=paper`` left there — missing cells are reported with the
+    command, and the cells present are shown. In ``quick`` and ``standard`` every grid is only read (the chapter
+    itself runs the same experiments at its own sizes), so the section shows data after ``make sweeps
+    PROFILE=<profile>`` and otherwise just the note. Nothing here runs a grid that belongs
+    outside the book build. Prints a short provenance line; the summary figure is ``Section.figure`` (shown when
+    it is a cell's last expression)."""
+    from . import plotting
+
+    r = get(name)
+    prof = config.profile() if profile is None else profile
+    configs = r.configs(prof)
+    cmd = command(name, prof)
+    modules = (*_COMMON, *r.modules)
+    computed = r.in_book and prof == "paper"
+    if computed:
+        frame = _sweep.sweep(r.fn, configs, cache_dir=cache_dir, progress=False, name=r.cache_name(),
+                             code_modules=modules)
+        done = len(configs)
+    else:
+        try:
+            frame = _sweep.sweep(r.fn, configs, cache_dir=cache_dir, progress=False, name=r.cache_name(),
+                                 code_modules=modules, compute=False)
+            done = len(configs)
+        except _sweep.MissingCells as exc:
+            missing = {_sweep._config_json("config", c) for c in exc.missing}
+            present = [c for c in configs if _sweep._config_json("config", c) not in missing]
+            frame = (_sweep.sweep(r.fn, present, cache_dir=cache_dir, progress=False, name=r.cache_name(),
+                                  code_modules=modules, compute=False) if present else pd.DataFrame())
+            done = len(present)
+    keys = {_sweep._config_json("config", c) for c in configs}
+    code = _sweep._code_hash(r.fn, r.cache_name(), None, modules)
+    info = _sweep.cache_info(cache_dir, r.cache_name())
+    if len(info):
+        mine = info["config"].map(lambda s: _sweep._config_json("config", json.loads(s)) in keys)
+        info = info[mine & (info["code_hash"] == code)].reset_index(drop=True)
+    where = "computed in the book (a cheap grid)" if computed else "read from the sweep cache"
+    print(f"{r.title} [{name}, profile {prof}]: {done}/{len(configs)} cells, {where}; regenerate with `{cmd}`")
+    if len(info):
+        wall = float(info["wall_s"].sum()) if "wall_s" in info else float("nan")
+        devices = ", ".join(sorted(set(map(str, info.get("device", pd.Series(["?"]))))))
+        revs = ", ".join(sorted(set(map(str, info.get("revision", pd.Series(["?"]))))))
+        print(f"  provenance: {len(info)} cells, {wall:.1f} s of compute in all, device {devices}, revision {revs}")
+    if done < len(configs):
+        print(f"  {len(configs) - done} cells are not in the cache: run `{cmd}` (outside the book build) to "
+              "fill them" + ("; the figure shows the cells present" if done else ""))
+    fig = None
+    if done and r.summary is not None:
+        figure, alt, caption = r.summary(frame)
+        if done < len(configs):
+            caption += f" Partial: {done} of {len(configs)} cells."
+        fig = plotting.show(figure, alt=alt, caption=caption)
+    return Section(frame, info, cmd, done, len(configs), fig)
 
 
 def estimate(profile: str = "paper", *, flops_per_s: float | None = None) -> pd.DataFrame:
