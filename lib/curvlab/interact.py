@@ -133,7 +133,8 @@ def _static(fn, values, start, static, alt, caption, panel_size, max_cols):
     panels = values[static]
     ncols = min(max_cols, len(panels))
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_size[0] * ncols, panel_size[1] * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_size[0] * ncols, panel_size[1] * nrows), squeeze=False,
+                             layout="constrained")
     for ax, v in zip(axes.flat, panels):
         fn(ax, **{**start, static: v})
         ax.set_title(f"{static} = {_label(v)}")
@@ -161,6 +162,5 @@ def _live(fn, values, start, panel_size):
         plt.close(fig)
 
     out = widgets.interactive_output(redraw, controls)
-    box = widgets.VBox([widgets.HBox(list(controls.values())), out])
-    display(box)
-    return box
+    # returned, not displayed: as a cell's last expression the box shows once (displaying it too showed it twice)
+    return widgets.VBox([widgets.HBox(list(controls.values())), out])
