@@ -223,15 +223,20 @@ def main(quick: bool = False) -> list:
 
 
 def scaling_curves(quick: bool = False) -> list:
-    """Cost of the reduced route against the width m (chapters 30-31): model L m^2 (d + d_y), exponent 2."""
-    base = {"d": 8, "d_y": 4, "L": 4}
-    lo, hi, k = (256, 2048, 5) if quick else (384, 4096, 6)
+    """Cost of the reduced route against the width m (chapters 30-31): model L m^2 (d + d_y), exponent 2.
+
+    L = 3 (one m x m layer) and m from 2048, where that layer (32 MiB) no longer fits the last-level cache, so every
+    size is in one memory regime; the first ladder (L = 4, m = 384-4096) straddled the cache and, with a transposed
+    operand that took torch's slow matmul path (fixed in ``layer_factors``), fitted 2.73."""
+    base = {"d": 8, "d_y": 4, "L": 3}
+    lo, hi, k = (1024, 10240, 5) if quick else (2048, 20480, 6)
     return [scaling("gn_conditioning_width_scaling", {"reduced": kappa_reduced},
                     [{**base, "m": int(m)} for m in np.geomspace(lo, hi, k).round()], x="m", probe={**base, "m": 2},
                     setup=lambda d, d_y, L, m: problem(d, d_y, L, m, dense=False), expected={"reduced": 2.0},
                     repeats=3 if quick else 5,
                     model="Chapters 30–31: κ(GN) of a deep linear network by the reduced route (QR-accumulated "
-                          "layer products), d = 8, d_y = 4, L = 4; model L m²(d + d_y) + (d_y d)³, exponent 2 in m.")]
+                          "layer products), d = 8, d_y = 4, L = 3; model L m²(d + d_y) + (d_y d)³, exponent 2 in m. "
+                          "Every size's m x m layer exceeds the last-level cache (one memory regime).")]
 
 
 if __name__ == "__main__":
