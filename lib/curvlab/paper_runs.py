@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -553,15 +554,17 @@ def section(name: str, profile: str | None = None, *, cache_dir: str | os.PathLi
         mine = info["config"].map(lambda s: _sweep._config_json("config", json.loads(s)) in keys)
         info = info[mine & (info["code_hash"] == code)].reset_index(drop=True)
     where = "computed in the book (a cheap grid)" if computed else "read from the sweep cache"
-    print(f"{r.title} [{name}, profile {prof}]: {done}/{len(configs)} cells, {where}; regenerate with `{cmd}`")
+    say = lambda text: print(textwrap.fill(text, width=100, subsequent_indent="    "))  # noqa: E731
+    say(f"{name} ({r.title}), profile {prof}: {done}/{len(configs)} cells, {where}.")
+    say(f"  regenerate with: {cmd}")
     if len(info):
         wall = float(info["wall_s"].sum()) if "wall_s" in info else float("nan")
         devices = ", ".join(sorted(set(map(str, info.get("device", pd.Series(["?"]))))))
         revs = ", ".join(sorted(set(map(str, info.get("revision", pd.Series(["?"]))))))
-        print(f"  provenance: {len(info)} cells, {wall:.1f} s of compute in all, device {devices}, revision {revs}")
+        say(f"  provenance: {len(info)} cells, {wall:.1f} s of compute in all, device {devices}, revision {revs}")
     if done < len(configs):
-        print(f"  {len(configs) - done} cells are not in the cache: run `{cmd}` (outside the book build) to "
-              "fill them" + ("; the figure shows the cells present" if done else ""))
+        say(f"  {len(configs) - done} cells are not in the cache: run the command above (outside the book build) "
+            "to fill them" + ("; the figure shows the cells present." if done else "."))
     fig = None
     if done and r.summary is not None:
         figure, alt, caption = r.summary(frame)
