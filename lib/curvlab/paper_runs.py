@@ -269,6 +269,16 @@ def _sizes(f: pd.DataFrame, *keys: str) -> str:
     return ", ".join(f"{k} = {sorted(set(f[k]))[0] if f[k].nunique() == 1 else sorted(set(f[k]))}" for k in keys)
 
 
+def _median_band(ax, f: pd.DataFrame, x: str, y: str, label: str) -> pd.DataFrame:
+    """Median of ``y`` per ``x`` as a line and its min-max range as a band (the networks of Part III's grids)."""
+    from . import plotting
+
+    st = f.groupby(x)[y].agg(["median", "min", "max"])
+    plotting.band(ax, st.index, st["min"], st["max"], "kappa")
+    plotting.plot(ax, st.index, st["median"], "kappa", markevery=1, label=label)
+    return st
+
+
 def _summary_ch20(f: pd.DataFrame):
     import matplotlib.pyplot as plt
 
@@ -343,16 +353,14 @@ def _summary_ch30(f: pd.DataFrame):
     from . import plotting
 
     fig, ax = plt.subplots(figsize=(5.2, 3.5))
-    st = f.groupby("m").kappa.agg(["median", "min", "max"])
-    plotting.band(ax, st.index, st["min"], st["max"], "kappa")
-    plotting.plot(ax, st.index, st["median"], "kappa", markevery=1, label=r"$\kappa(H_{GN})$, median")
+    _median_band(ax, f, "m", "kappa", r"$\kappa(H_{GN})$, median")
     ax.axhline(float(f.mp_limit.iloc[0]), **{**plotting.style("MP").kwargs(), "label": "Marchenko-Pastur limit"})
     ax.set(xscale="log", xlabel="hidden width m  (d = m/2, d_y = m/8)", ylabel=r"$\kappa(H_{GN})$")
     ax.legend(fontsize="small")
     return (fig, "Condition number against width on a log axis, median line with range band, approaching a "
                  "horizontal line at the Marchenko-Pastur limit.",
             f"kappa(GN) of two-layer linear networks with all sizes scaled together ({f.R.iloc[0]} networks per "
-            "size): the spread shrinks and the median approaches the Marchenko-Pastur limit.")
+            "size): median and range against the Marchenko-Pastur limit of chapter 30 (horizontal line).")
 
 
 def _summary_ch31(f: pd.DataFrame):
@@ -361,18 +369,16 @@ def _summary_ch31(f: pd.DataFrame):
     from . import plotting
 
     fig, ax = plt.subplots(figsize=(5.2, 3.5))
-    st = f.groupby("L").log_kappa.agg(["median", "min", "max"])
-    plotting.band(ax, st.index, st["min"], st["max"], "kappa")
-    plotting.plot(ax, st.index, st["median"], "kappa", markevery=1, label=r"$\log\kappa$, median")
-    xi, L0 = float(f.xi.iloc[0]), float(st.index[0])
-    plotting.plot(ax, st.index, st["median"].iloc[0] + 2 * xi * (st.index - L0), "theory",
-                  label=r"slope $2\xi$ (Lyapunov)")
+    st = _median_band(ax, f, "L", "log_kappa", r"$\log\kappa$, median")
+    xi, L0 = float(f.xi.iloc[0]), float(st.index[0])   # xi: the growth of log kappa per layer (depth_slope)
+    plotting.plot(ax, st.index, st["median"].iloc[0] + xi * (st.index - L0), "theory",
+                  label=r"slope $\xi$ (Lyapunov)")
     ax.set(xlabel="depth L  (d = 4, m = 8, d_y = 2)", ylabel=r"$\log\kappa(H_{GN})$")
     ax.legend(fontsize="small")
-    return (fig, "Log condition number against depth, a median line with a range band rising linearly, next "
+    return (fig, "Log condition number against depth, a median line with a range band over networks, next "
                  "to a theory line of the predicted slope.",
-            f"The depth law at the registered grid's depths ({f.R.iloc[0]} networks): log kappa grows linearly "
-            "in depth; the theory line has the slope of chapter 31's Lyapunov prediction, drawn from the "
+            f"The depth law at the registered grid's depths ({f.R.iloc[0]} networks): log kappa against depth; "
+            "the theory line has the slope of chapter 31's Lyapunov prediction, drawn from the "
             "first depth.")
 
 
@@ -385,7 +391,7 @@ def _summary_ch32(f: pd.DataFrame):
     fig, ax = plt.subplots(figsize=(5.6, 3.6))
     for color, m in zip(_shades(len(ms)), ms):
         g = f[f.m == m].groupby("alpha")[["kappa", "bound"]].median()
-        plotting.plot(ax, g.index, g.kappa, "leaky-ReLU", color=color, markevery=1, label=f"m = {m}")
+        plotting.plot(ax, g.index, g.kappa, "leaky-ReLU", color=color, markevery=1, linestyle="-", label=f"m = {m}")
         finite = g.bound[g.bound < float("inf")]
         if len(finite):
             plotting.plot(ax, finite.index, finite.to_numpy(), "bound", color=color, markevery=1, label=None)
