@@ -238,7 +238,7 @@ def tail_rate(trace, window: int, floor: float = 0.0) -> tuple[torch.Tensor, tor
     if e.dim() < 1 or bool((e <= 0).any()):
         raise ValueError("trace must be a positive (..., T+1) tensor (a distance or a norm)")
     flat = e.reshape(-1, e.shape[-1])
-    out = torch.empty(3, flat.shape[0], dtype=e.dtype)
+    out = torch.empty(3, flat.shape[0], dtype=e.dtype, device=e.device)
     for i, row in enumerate(flat):
         above = torch.nonzero(row > floor).reshape(-1)
         end = int(above[-1]) if above.numel() else -1
@@ -247,7 +247,7 @@ def tail_rate(trace, window: int, floor: float = 0.0) -> tuple[torch.Tensor, tor
             raise ValueError(f"trace {i} has only {end + 1} entries above floor={floor:g}; need at least 3")
         r1 = (row[end] / row[end - w]) ** (1.0 / w)
         r0 = (row[end - w] / row[end - 2 * w]) ** (1.0 / w)
-        out[:, i] = torch.stack([r1, (r1 - r0).abs(), torch.tensor(float(w), dtype=e.dtype)])
+        out[:, i] = torch.stack([r1, (r1 - r0).abs(), torch.tensor(float(w), dtype=e.dtype, device=e.device)])
     rate, drift, ws = (o.reshape(e.shape[:-1]) for o in out)
     return rate, drift, ws
 
@@ -286,7 +286,7 @@ def mode_rate(coords, v, mu, dist, floor: float = 0.0) -> tuple[torch.Tensor, to
         raise ValueError("mu must lie in (0, 1): the predicted rate of a contracting map")
     c = (b * v.unsqueeze(-2)).sum(-1)
     flat_c, flat_e, flat_mu = c.reshape(-1, c.shape[-1]), e.reshape(-1, e.shape[-1]), mu.reshape(-1)
-    out = torch.empty(3, flat_c.shape[0], dtype=b.dtype)
+    out = torch.empty(3, flat_c.shape[0], dtype=b.dtype, device=b.device)
     for i, (ci, ei, mi) in enumerate(zip(flat_c, flat_e, flat_mu)):
         above = torch.nonzero(ei > floor).reshape(-1)
         end = int(above[-1]) if above.numel() else -1
@@ -300,7 +300,8 @@ def mode_rate(coords, v, mu, dist, floor: float = 0.0) -> tuple[torch.Tensor, to
                              "is not a slowest mode of this iteration")
         ratios = seg[1:] / seg[:-1]
         rate = ratios.log().mean().exp()
-        out[:, i] = torch.stack([rate, 4 * (ratios - rate).abs().max(), torch.tensor(float(w), dtype=b.dtype)])
+        out[:, i] = torch.stack([rate, 4 * (ratios - rate).abs().max(),
+                                 torch.tensor(float(w), dtype=b.dtype, device=b.device)])
     rate, bound, ws = (o.reshape(mu.shape) for o in out)
     return rate, bound, ws
 
