@@ -48,7 +48,7 @@ import torch
 
 from curvlab import config
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(os.environ.get("CURVLAB_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 RESERVED = ("benchmark", "size", "variant", "repeat", "order", "time_s", "peak_mem_bytes", "mem_method", "device")
 
 __all__ = ["compare", "ratio_table", "machine_info", "write_results", "RESULTS_DIR", "scaling", "fit_exponent",
