@@ -475,3 +475,15 @@ def test_paper_run_section_reads_computes_and_reports_partial_grids(tmp_path, mo
     assert sec.done == 1                                         # the same tiny grid in every profile: 1 cached
     with pytest.raises(ValueError, match="registered paper runs"):
         paper_runs.section("ch99", cache_dir=tmp_path)
+
+
+def test_hidden_learning_summary_bands_span_the_seeds_of_the_best_step():
+    from curvlab import paper_runs
+
+    rows = [dict(act=a, init_std=s, method=m, lr=lr, seed=k, n=10, m=20, status="converged",
+                 test_loss=0.1 * (1 + k) + (lr or 0) * 0.01)
+            for a in ("relu", "silu") for s in (0.01, 1.0) for m, lrs in (("GN", (1.0, 10.0)), ("RF", (None,)))
+            for lr in lrs for k in range(3)]
+    fig, _, _ = paper_runs.get("ch21_regimes").summary(pd.DataFrame(rows))
+    gn_band = fig.axes[0].collections[0].get_paths()[0].vertices[:, 1]
+    assert np.isclose(gn_band.min(), 0.11) and np.isclose(gn_band.max(), 0.31)   # lr = 1 (best), all three seeds

@@ -279,6 +279,15 @@ def _median_band(ax, f: pd.DataFrame, x: str, y: str, label: str) -> pd.DataFram
     return st
 
 
+def _panels(f: pd.DataFrame, column: str, width: float, **kw):
+    """One panel per value of ``column``, in a row: ``(fig, axes, [(ax, value), ...])``."""
+    import matplotlib.pyplot as plt
+
+    values = sorted(set(f[column]))
+    fig, axes = plt.subplots(1, len(values), figsize=(width * len(values), 3.5), squeeze=False, **kw)
+    return fig, axes, list(zip(axes[0], values))
+
+
 def _summary_ch20(f: pd.DataFrame):
     import matplotlib.pyplot as plt
 
@@ -303,13 +312,13 @@ def _summary_ch21(f: pd.DataFrame):
 
     from . import plotting
 
-    acts = sorted(set(f.act))
-    fig, axes = plt.subplots(1, len(acts), figsize=(4.4 * len(acts), 3.5), sharey=True, squeeze=False)
-    for ax, a in zip(axes[0], acts):
+    fig, axes, panels = _panels(f, "act", 4.4, sharey=True)
+    for ax, a in panels:
         for meth in ("GN", "GD", "RF"):
             g = f[(f.act == a) & (f.method == meth) & (f.status != "diverged")]
-            if meth != "RF" and len(g):                  # the best step size per sigma_0 (median over seeds)
-                g = g.groupby(["init_std", "lr"]).test_loss.median().groupby("init_std").min().reset_index()
+            if meth != "RF" and len(g):                  # every seed of the best step size per sigma_0 (by median)
+                best = g.groupby(["init_std", "lr"]).test_loss.median().groupby(level="init_std").idxmin()
+                g = g.set_index(["init_std", "lr"]).loc[list(best)].reset_index()
             st = g.groupby("init_std").test_loss.agg(["median", "min", "max"])
             if len(st):
                 plotting.plot(ax, st.index, st["median"], meth)
@@ -328,9 +337,8 @@ def _summary_ch22(f: pd.DataFrame):
 
     from . import plotting
 
-    sets = sorted(set(f.dataset))
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.6 * len(sets), 3.5), squeeze=False)
-    for ax, ds in zip(axes[0], sets):
+    fig, axes, panels = _panels(f, "dataset", 4.6)
+    for ax, ds in panels:
         for meth in ("GN", "GD"):
             g = f[(f.dataset == ds) & (f.method == meth) & (f.status != "diverged")]
             for col, ls in (("train_loss", ":"), ("test_loss", "-")):
