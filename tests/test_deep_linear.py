@@ -375,3 +375,21 @@ def test_gn_kappa_with_sigma_and_bottleneck_fallback():
 def test_gn_kappa_bad_input():
     with pytest.raises(ValueError):
         dl.gn_kappa([torch.ones(3, 4), torch.ones(2, 5)])
+
+
+@pytest.mark.parametrize("d, m, k", [(8, 5, 4), (6, 10, 3), (4, 3, 7), (16, 32, 10)])
+def test_two_layer_whitened_spectrum_is_the_kronecker_sum_of_the_formed_matrix(d, m, k):
+    """The closed form spectrum_reduced uses for L = 2, Sigma = I (bottlenecks included) against eigvalsh of the
+    formed reduced matrix, batched; with a covariance the formed route is taken."""
+    g = torch.Generator().manual_seed(d * m * k)
+    Ws = dl.init_weights(d, [m], k, batch=(3,), generator=g)
+    ref = torch.linalg.eigvalsh(dl.gn_reduced(Ws)).flip(-1)
+    fast = dl.spectrum_reduced(Ws)
+    assert fast.shape == ref.shape
+    assert float((fast - ref).abs().max()) <= 1e-12 * float(ref.abs().max())
+    A = torch.randn(d, d, generator=g, dtype=torch.float64)
+    Sigma = A @ A.T / d + torch.eye(d, dtype=torch.float64)
+    ref_S = torch.linalg.eigvalsh(dl.gn_reduced(Ws, Sigma)).flip(-1)
+    assert torch.allclose(dl.spectrum_reduced(Ws, Sigma), ref_S)
+    with pytest.raises(ValueError, match="skip_scale"):
+        dl.spectrum_reduced(Ws, skip_scale=-1.0)

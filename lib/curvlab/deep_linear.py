@@ -399,15 +399,30 @@ def reduced_factor(Ws, Sigma_hat=None, skip_scale: float = 0.0, gains=None) -> t
     return torch.cat([kron(al, bl) for al, bl in zip(a, b)], dim=-1)
 
 
+def _kronecker_sum_spectrum(Ws) -> torch.Tensor:
+    r"""Two layers on whitened inputs: :math:`H_{\mathrm{GN}}^{\mathrm{red}} = W_2W_2^\top\otimes I_d + I_{d_y}\otimes
+    W_1^\top W_1` is a Kronecker sum, so its eigenvalues are all sums :math:`\lambda_i(W_2W_2^\top) +
+    \lambda_j(W_1^\top W_1)` (chapter 30): two small eigenproblems instead of one of size :math:`d_yd`.
+    Decreasing, ``(..., d_y d)``, float64. (A skip term does not enter: two layers have no hidden-to-hidden layer.)"""
+    W1, W2 = (config.spectral(W) for W in _check_weights(Ws))
+    a = torch.linalg.eigvalsh(W2 @ W2.transpose(-2, -1))                  # (..., d_y)
+    b = torch.linalg.eigvalsh(W1.transpose(-2, -1) @ W1)                  # (..., d)
+    return (a.unsqueeze(-1) + b.unsqueeze(-2)).flatten(-2).sort(dim=-1, descending=True).values
+
+
 def spectrum_reduced(Ws, Sigma_hat=None, skip_scale: float = 0.0, gains=None, *, method: str = "eigh") -> torch.Tensor:
     r"""Eigenvalues of :math:`H_{\mathrm{GN}}^{\mathrm{red}}` in decreasing order, ``(..., d_y d)``, float64.
 
-    ``method="eigh"``: ``eigvalsh`` of the reduced matrix (absolute error :math:`\approx\varepsilon\lambda_{\max}`);
+    ``method="eigh"``: ``eigvalsh`` of the reduced matrix (absolute error :math:`\approx\varepsilon\lambda_{\max}`),
+    or, for two layers on whitened inputs without gains, the Kronecker-sum closed form (:func:`_kronecker_sum_spectrum`);
     ``method="svd"``: squared singular values of :func:`reduced_factor` (relative accuracy of
     :math:`\lambda_{\min}` about :math:`\varepsilon\sqrt\kappa`), for very deep or ill-conditioned networks.
     """
     method = check_choice("method", method, ("eigh", "svd"))
     if method == "eigh":
+        if Sigma_hat is None and gains is None and len(_check_weights(Ws)) == 2:
+            _check_skip(skip_scale, _check_weights(Ws))                  # validated, though two layers have no skip
+            return _kronecker_sum_spectrum(Ws)
         H = gn_reduced(Ws, Sigma_hat, skip_scale, gains)
         return torch.linalg.eigvalsh(H).flip(-1)
     F = reduced_factor(Ws, Sigma_hat, skip_scale, gains)
