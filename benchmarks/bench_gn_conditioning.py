@@ -205,7 +205,7 @@ def main(quick: bool = False) -> list:
     SCALING_STATES.clear()
     repeats = 2 if quick else 5
     routes = compare("gn_conditioning_routes", ROUTES, route_sizes(quick), setup=_setup_routes,
-                     repeats=repeats, warmup=0, baseline="dense", memory=not quick)
+                     repeats=repeats, warmup=1, baseline="dense", memory=not quick, min_time=0.05)
     scaling = compare("gn_conditioning_scaling", SCALING, scaling_sizes(quick), setup=_setup_scaling,
                       repeats=repeats + 1, warmup=1, baseline="reduced_naive", memory=not quick)
     agree, fit = _agreement(), _complexity_fit(scaling)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import time
@@ -49,7 +50,8 @@ import torch
 from curvlab import config
 
 RESULTS_DIR = Path(os.environ.get("CURVLAB_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
-RESERVED = ("benchmark", "size", "variant", "repeat", "order", "time_s", "peak_mem_bytes", "mem_method", "device")
+RESERVED = ("benchmark", "size", "variant", "repeat", "order", "time_s", "calls_per_timing", "peak_mem_bytes", "mem_method",
+            "device")
 
 __all__ = ["compare", "ratio_table", "machine_info", "write_results", "RESULTS_DIR", "scaling", "fit_exponent",
            "scaling_table", "write_scaling", "OVERHEAD_FACTOR", "MIN_SIZES"]
@@ -67,12 +69,14 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _time_call(thunk: Callable[[], Any], dev: torch.device) -> float:
+def _time_call(thunk: Callable[[], Any], dev: torch.device, number: int = 1) -> float:
+    """Seconds per call of ``thunk``, over ``number`` back-to-back calls."""
     _sync(dev)
     t0 = time.perf_counter()
-    thunk()
+    for _ in range(number):
+        thunk()
     _sync(dev)
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) / number
 
 
 def _cpu_peak_bytes(thunk: Callable[[], Any]) -> float:
@@ -122,8 +126,14 @@ def compare(
     memory: bool = True,
     write: bool = True,
     results_dir: str | Path | None = None,
+    min_time: float | None = None,
 ) -> pd.DataFrame:
     """Time ``variants`` side by side at every size; return the tidy frame (and write the reports if ``write``).
+
+    ``min_time`` (seconds; needs ``warmup >= 1``): a variant whose warm-up call took less is timed over ``number``
+    back-to-back calls per repeat, ``number`` chosen from the warm-up so that a timing lasts about ``min_time``
+    (as ``timeit``'s autorange does), and the time per call is recorded. Without it every repeat is one call, which
+    for a millisecond call right after a seconds-long one measures mostly cold caches.
 
     Without ``setup`` a variant is called as ``variant(**size)`` and the whole call is timed. With ``setup``,
     ``state = setup(**size)`` is built once per size, untimed, and each variant is timed as ``variant(state)``.
@@ -144,6 +154,8 @@ def compare(
         raise ValueError(f"baseline must be one of {list(variants)}, got {baseline!r}")
     if int(repeats) < 1 or int(warmup) < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    if min_time is not None and (not min_time > 0 or int(warmup) < 1):
+        raise ValueError(f"min_time must be > 0 and needs warmup >= 1, got min_time={min_time}, warmup={warmup}")
     dev = config.device() if device is None else torch.device(device)
     names = list(variants)
 
@@ -152,20 +164,24 @@ def compare(
         state = setup(**size) if setup is not None else None
         thunks = {v: (lambda f=variants[v]: f(state)) if setup is not None else (lambda f=variants[v]: f(**size))
                   for v in names}
+        number = dict.fromkeys(names, 1)
         for _ in range(int(warmup)):
             for v in names:
-                thunks[v]()
+                t = _time_call(thunks[v], dev)
+                if min_time is not None:
+                    number[v] = max(1, math.ceil(min_time / max(t, 1e-9)))
         mem = {v: _peak_memory(thunks[v], dev) if memory else (float("nan"), "not measured") for v in names}
         for rep in range(int(repeats)):
             order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no variant always goes first
             for pos, v in enumerate(order):
-                t = _time_call(thunks[v], dev)
+                t = _time_call(thunks[v], dev, number[v])
                 rows.append({"benchmark": name, "size": _label(size), **size, "variant": v, "repeat": rep,
-                             "order": pos, "time_s": t, "peak_mem_bytes": mem[v][0], "mem_method": mem[v][1],
-                             "device": str(dev)})
+                             "order": pos, "time_s": t, "calls_per_timing": number[v],
+                             "peak_mem_bytes": mem[v][0], "mem_method": mem[v][1], "device": str(dev)})
     frame = pd.DataFrame(rows)
     frame.attrs.update(machine=machine_info(dev), baseline=baseline,
-                       settings={"repeats": int(repeats), "warmup": int(warmup), "sizes": [dict(s) for s in sizes]})
+                       settings={"repeats": int(repeats), "warmup": int(warmup), "min_time": min_time,
+                                 "sizes": [dict(s) for s in sizes]})
     if write:
         write_results(name, frame, results_dir=results_dir)
     return frame
@@ -251,7 +267,10 @@ def _markdown(name: str, ratios: pd.DataFrame, machine: Mapping[str, Any], setti
     where = f"{m['device']}" + (f" ({m['gpu']})" if m.get("gpu") else "")
     head = [
         f"**Benchmark `{name}`** — median wall time over {settings['repeats']} interleaved repeats "
-        f"(warm-up {settings['warmup']}); *ratio* = variant / `{ratios['baseline'].iloc[0]}` per repeat "
+        f"(warm-up {settings['warmup']}"
+        + (f"; calls under {settings['min_time'] * 1e3:g} ms timed back to back over about that long, per call"
+           if settings.get("min_time") else "")
+        + f"); *ratio* = variant / `{ratios['baseline'].iloc[0]}` per repeat "
         "(below 1: faster), median [IQR] and bootstrap 95% interval of the median. "
         f"Peak memory: {mem_method}.",
         "",

@@ -67,6 +67,28 @@ def test_bench_harness_setup_runs_once_per_size(harness, tmp_path):
     assert frame["mem_method"].eq("not measured").all()
 
 
+def test_bench_harness_min_time_repeats_short_calls_back_to_back(harness, tmp_path):
+    import time
+
+    counts = {"fast": 0, "slow": 0}
+
+    def fast(n):
+        counts["fast"] += 1
+
+    def slow(n):
+        counts["slow"] += 1
+        time.sleep(0.03)
+
+    frame = harness.compare("toy_min_time", {"slow": slow, "fast": fast}, [{"n": 1}], repeats=2, warmup=1,
+                            device="cpu", memory=False, write=False, results_dir=tmp_path, min_time=0.02)
+    per = frame.groupby("variant").calls_per_timing.first()
+    assert per["slow"] == 1 and per["fast"] > 100                       # a ~us call is repeated, a 30 ms one is not
+    assert counts["slow"] == 1 + 2 and counts["fast"] == 1 + 2 * per["fast"]
+    assert frame.query("variant == 'fast'").time_s.max() < 1e-3          # recorded per call
+    with pytest.raises(ValueError, match="min_time"):
+        harness.compare("toy", {"slow": slow}, [{"n": 1}], warmup=0, min_time=0.01, write=False)
+
+
 def test_bench_harness_bad_arguments(harness):
     with pytest.raises(ValueError, match="baseline"):
         harness.compare("toy", VARIANTS, SIZES, baseline="nope", write=False)
