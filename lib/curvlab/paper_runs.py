@@ -365,7 +365,7 @@ def _summary_ch30(f: pd.DataFrame):
     ax.axhline(float(f.mp_limit.iloc[0]), **{**plotting.style("MP").kwargs(), "label": "Marchenko-Pastur limit"})
     ax.set(xscale="log", xlabel="hidden width m  (d = m/2, d_y = m/8)", ylabel=r"$\kappa(H_{GN})$")
     ax.legend(fontsize="small")
-    return (fig, "Condition number against width on a log axis, median line with range band, approaching a "
+    return (fig, "Condition number against width on a log axis, median line with range band, and a "
                  "horizontal line at the Marchenko-Pastur limit.",
             f"kappa(GN) of two-layer linear networks with all sizes scaled together ({f.R.iloc[0]} networks per "
             "size): median and range against the Marchenko-Pastur limit of chapter 30 (horizontal line).")
