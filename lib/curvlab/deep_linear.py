@@ -414,7 +414,8 @@ def spectrum_reduced(Ws, Sigma_hat=None, skip_scale: float = 0.0, gains=None, *,
     r"""Eigenvalues of :math:`H_{\mathrm{GN}}^{\mathrm{red}}` in decreasing order, ``(..., d_y d)``, float64.
 
     ``method="eigh"``: ``eigvalsh`` of the reduced matrix (absolute error :math:`\approx\varepsilon\lambda_{\max}`),
-    or, for two layers on whitened inputs without gains, the Kronecker-sum closed form (:func:`_kronecker_sum_spectrum`);
+    or, for two layers on whitened inputs without gains, the Kronecker-sum closed form of chapter 30 (eigenvalues
+    :math:`\lambda_i(W_2W_2^\top) + \lambda_j(W_1^\top W_1)`);
     ``method="svd"``: squared singular values of :func:`reduced_factor` (relative accuracy of
     :math:`\lambda_{\min}` about :math:`\varepsilon\sqrt\kappa`), for very deep or ill-conditioned networks.
     """
