@@ -192,6 +192,10 @@ class Kernel:
         self._ctx.__exit__(None, None, None)
 
 
+#: ``--show``: print each reference value as it is hashed (to keep the specs' comments true when a chapter changes).
+SHOW_VALUES = False
+
+
 def reference_hashes(nb: nbformat.NotebookNode, stem: str, specs: dict[str, dict[str, Any]], profile: str = "quick") -> dict[str, Any]:
     """Run each exercise's solution (setup + needs + solution) and hash its answers."""
     if not specs:
@@ -211,6 +215,8 @@ def reference_hashes(nb: nbformat.NotebookNode, stem: str, specs: dict[str, dict
             for name, a in spec["answers"].items():
                 salt = hashlib.sha256(f"{stem}:{label}:{name}".encode()).hexdigest()[:12]
                 values = kernel.value(name)
+                if SHOW_VALUES:
+                    print(f"  {stem} {label} {name} = {values}", flush=True)
                 refs[label][name] = {
                     "tol": a["tol"],
                     "salt": salt,
@@ -303,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("chapters", nargs="*", help="chapter stems or numbers (default: every chapter in _toc.yml)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a stored student notebook is out of date")
+    parser.add_argument("--show", action="store_true", help="print the reference values (for the specs' comments)")
     args = parser.parse_args(argv)
+    global SHOW_VALUES
+    SHOW_VALUES = args.show
     bad = 0
     for chapter in slides.resolve_chapters(args.chapters):
         target = STUDENT_DIR / f"{chapter.stem}.ipynb"
