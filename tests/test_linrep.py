@@ -62,6 +62,39 @@ def test_sample_moments_monte_carlo(x_dist):
     assert (Xt.transpose(-2, -1) @ Xt / 20000 - P.Sigma_T).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("x_dist", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("noise", [0.0, 0.4])
+@pytest.mark.parametrize("transfer", [False, True])
+def test_sample_moments_equal_moments_of_sample(x_dist, noise, transfer):
+    """The fast path of run(): the moments of the very batch sample() draws from the same generator state,
+    to rounding (float64: a few ulps of the largest entry)."""
+    P = _problem(S=3, d=9, k=3, d_y=5, noise=noise, x_dist=x_dist, transfer_kappa=7.0)
+    X, Y = P.sample(33, _gen(8), transfer=transfer)
+    want = L.batch_moments({"X": X, "Y": Y})
+    got = P.sample_moments(33, _gen(8), transfer=transfer)
+    for w, g in zip(want, got):
+        assert g.shape == w.shape
+        assert (g - w).abs().max() <= 64 * torch.finfo(w.dtype).eps * w.abs().max()
+    different = P.sample_moments(33, _gen(9), transfer=transfer)[0]        # it does depend on the draws
+    assert (different - want[0]).abs().max() > 1e-3 * want[0].abs().max()
+
+
+def test_random_bits_are_fair_and_independent():
+    """31 bits per generator draw: mean 1/2 and pairwise-uncorrelated bits, including bits of one word (adjacent
+    positions) and across word boundaries, within 5 standard errors."""
+    n, m = 40_000, 62                                     # a row spans exactly two 31-bit words
+    R = L._random_bits((n, m), _gen(4), "cpu", torch.float64)
+    assert set(R.unique().tolist()) == {0.0, 1.0}
+    se = 0.5 / math.sqrt(n)
+    assert (R.mean(0) - 0.5).abs().max() < 5 * se
+    Z = 2 * R - 1
+    C = Z.T @ Z / n                                       # entries ~ N(0, 1/n) off the diagonal
+    off = C - torch.eye(m)
+    assert off.abs().max() < 5 / math.sqrt(n)
+    foil = torch.cat([Z[:, :1], Z[:, :1]], 1)            # a check that can fail: a repeated bit is caught
+    assert (foil.T @ foil / n - torch.eye(2)).abs().max() > 5 / math.sqrt(n)
+
+
 def test_population_batch_and_select():
     P = _problem()
     pop = P.population_batch()

@@ -17,7 +17,10 @@ row-major (the book's convention), so the Gauss–Newton block of :math:`G` is :
 ``'X2'``, ``'Y2'``, an independent batch, for ``f_variant='refit_independent'``), or — the *population* batch of
 :meth:`LinRepProblem.population_batch` — the moments ``'Sxx'`` :math:`=\Sigma` and ``'Syx'``
 :math:`=F_\star G_\star\Sigma`. Every update of this module needs only these moments
-(:math:`\hat\Sigma = X^\top X/n`, :math:`\hat\Sigma_{yx} = Y^\top X/n`).
+(:math:`\hat\Sigma = X^\top X/n`, :math:`\hat\Sigma_{yx} = Y^\top X/n`), so :func:`run` hands them the
+moments of each fresh batch (:meth:`LinRepProblem.sample_moments`, ``'Sxx2'``, ``'Syx2'`` for the independent one)
+without forming ``X`` and ``Y``; an update registered from outside must read its batch through
+:func:`batch_moments` too.
 
 **Update protocol.** ``fn(problem, state, batch, hp) -> LinRepState``; registered in :data:`UPDATES` with
 :func:`register_update`. ``hp`` keys: ``eta_G`` (required; a number or per-seed ``(S,)`` tensor), ``eta_F`` (gradient head; default ``eta_G``),
@@ -97,6 +100,23 @@ __all__ = [
 F_VARIANTS = ("refit_same", "refit_independent", "fixed", "gradient")
 X_DISTS = ("gaussian", "rademacher")
 SPECTRA = ("geometric", "linear", "two-level")
+
+
+_BITS = 31          # uniform bits per draw of the generator used by _random_bits
+
+
+def _random_bits(shape: tuple[int, ...], generator: torch.Generator | None, device, dtype) -> torch.Tensor:
+    """Independent fair bits in ``{0, 1}`` (as ``dtype``), 31 to each 32-bit draw of the generator.
+
+    ``torch.randint(0, 2, ...)`` spends one 32-bit draw of the Mersenne twister per bit; at chapter 11's sizes that
+    was a sixth of a step. Here ``torch.randint(0, 2**31)`` draws uniform 31-bit words (one 32-bit draw each), unpacked
+    by shifts: 31 times fewer draws, the same distribution."""
+    numel = math.prod(shape)
+    words = torch.randint(0, 2**_BITS, (-(-numel // _BITS),), generator=generator, device=device,
+                          dtype=torch.int64).to(torch.int32)
+    shifts = torch.arange(_BITS, dtype=torch.int32, device=device)
+    bits = ((words[:, None] >> shifts) & 1).reshape(-1)[:numel]
+    return bits.reshape(shape).to(dtype)
 
 
 # ============================================================================================ the problem
@@ -183,7 +203,7 @@ class LinRepProblem:
         if self.x_dist == "gaussian":
             Z = torch.randn(S, n, d, **opts)
         else:
-            Z = torch.randint(0, 2, (S, n, d), generator=generator, device=gdev).to(self.dtype) * 2 - 1
+            Z = _random_bits((S, n, d), generator, gdev, self.dtype) * 2 - 1
         half, F, sig = ((self.Sigma_T_half, self.Fstar_T, self.noise_T) if transfer
                         else (self.Sigma_half, self.Fstar, self.noise))
         X = Z.to(self.device) @ half       # Sigma_half is symmetric: row i is (Sigma^{1/2} z_i)^T
@@ -191,6 +211,42 @@ class LinRepProblem:
         if sig > 0:                        # noiseless tasks draw no noise
             Y = Y + sig * torch.randn(S, n, d_y, **opts).to(self.device)
         return X, Y
+
+    def sample_moments(self, n: int, generator: torch.Generator | None = None,
+                       transfer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The moments ``(Sxx (S, d, d), Syx (S, d_y, d))`` :math:`=(X^\top X/n, Y^\top X/n)` of the batch
+        :meth:`sample` would draw from the same generator state, without forming ``X`` and ``Y``.
+
+        With :math:`X = Z\Sigma^{1/2}` and :math:`Y = XB^\top + \sigma E` (:math:`B = F_\star G_\star`),
+        :math:`\hat\Sigma = \Sigma^{1/2}(Z^\top Z/n)\Sigma^{1/2}` and :math:`\hat\Sigma_{yx} = B\hat\Sigma +
+        \sigma(E^\top Z/n)\Sigma^{1/2}`: one product of size :math:`n d^2` per seed instead of four (:math:`Z`,
+        :math:`X^\top X`, :math:`Y`, :math:`Y^\top X`), and products of size :math:`d^3` (chapter 10 uses
+        :math:`n\ge d`). For Rademacher inputs :math:`Z = 2R - 1` with :math:`R\in\{0,1\}^{n\times d}`, and
+        :math:`Z^\top Z = 4R^\top R - 2(c\mathbf 1^\top + \mathbf 1c^\top) + n\mathbf 1\mathbf 1^\top`
+        (:math:`c = R^\top\mathbf 1`) is an integer matrix computed exactly. Agrees with
+        ``batch_moments({'X': X, 'Y': Y})`` of :meth:`sample` to rounding (tested)."""
+        n = check_int("n", n, min_value=1)
+        S, d, d_y = self.n_seeds, self.d, self.d_y
+        gdev = generator.device if generator is not None else self.device
+        opts = dict(generator=generator, dtype=self.dtype, device=gdev)
+        half, F, sig = ((self.Sigma_T_half, self.Fstar_T, self.noise_T) if transfer
+                        else (self.Sigma_half, self.Fstar, self.noise))
+        if self.x_dist == "gaussian":
+            Z = torch.randn(S, n, d, **opts).to(self.device)
+            ZZ = Z.transpose(-2, -1) @ Z
+        else:                                                               # the same draws as sample()
+            Z = _random_bits((S, n, d), generator, gdev, self.dtype).to(self.device)     # R in {0, 1}
+            c = Z.sum(-2)                                                   # (S, d) column sums, exact
+            ZZ = 4 * (Z.transpose(-2, -1) @ Z) - 2 * (c[..., :, None] + c[..., None, :]) + n
+        Sxx = half @ (ZZ / n) @ half
+        Syx = (F @ self.Gstar) @ Sxx
+        if sig > 0:
+            E = torch.randn(S, n, d_y, **opts).to(self.device)
+            EZ = E.transpose(-2, -1) @ Z
+            if self.x_dist != "gaussian":
+                EZ = 2 * EZ - E.sum(-2)[..., :, None]                         # E^T (2R - 1)
+            Syx = Syx + (sig / n) * (EZ @ half)
+        return Sxx, Syx
 
     def population_batch(self, transfer: bool = False) -> dict[str, torch.Tensor]:
         r"""The population moments as a batch: ``Sxx`` :math:`=\Sigma`, ``Syx`` :math:`=F_\star G_\star\Sigma`."""
@@ -311,7 +367,8 @@ def init_state(problem: LinRepProblem, generator: torch.Generator | None = None)
 
 def batch_moments(batch: dict, second: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``(Sxx, Syx)`` :math:`=(\hat\Sigma, \hat\Sigma_{yx}) = (X^\top X/n, Y^\top X/n)` of a batch (or of its
-    independent half ``X2``, ``Y2`` when ``second``); a population batch passes its moments through."""
+    independent half ``X2``, ``Y2`` when ``second``); a batch of moments (``'Sxx'``, ``'Syx'``, and ``'Sxx2'``,
+    ``'Syx2'`` for the independent half; the population batch has no second half) passes them through."""
     if not isinstance(batch, dict):
         raise TypeError(f"batch must be a dict with keys 'X', 'Y' (or 'Sxx', 'Syx'), got {type(batch).__name__}")
     kx, ky = ("X2", "Y2") if second else ("X", "Y")
@@ -319,6 +376,8 @@ def batch_moments(batch: dict, second: bool = False) -> tuple[torch.Tensor, torc
         X, Y = batch[kx], batch[ky]
         n = X.shape[-2]
         return X.transpose(-2, -1) @ X / n, Y.transpose(-2, -1) @ X / n
+    if second and "Sxx2" in batch:
+        return batch["Sxx2"], batch["Syx2"]
     if "Sxx" in batch:
         return batch["Sxx"], batch["Syx"]
     raise ValueError(f"batch must hold '{kx}' and '{ky}' (or population moments 'Sxx', 'Syx'), got {list(batch)}")
@@ -785,18 +844,19 @@ def _check_run(method: str, problem: Any, n_steps: Any, batch_size: Any, hp: Any
 
 def _batches(method: str, problem: LinRepProblem, n_steps: int, batch_size: int | None, hp: dict,
              gen: torch.Generator):
-    """The batch of each step: the population moments when ``batch_size`` is None, else fresh samples (and a
-    second independent batch when the method's head is fit on one)."""
+    """The batch of each step: the population moments when ``batch_size`` is None, else the moments of fresh
+    samples (:meth:`LinRepProblem.sample_moments`; and of a second independent batch, ``'Sxx2'``, ``'Syx2'``, when
+    the method's head is fit on one)."""
     second = _needs_second(method, hp)
     pop = problem.population_batch() if batch_size is None else None
     for _ in range(n_steps):
         if pop is not None:
             yield pop
             continue
-        X, Y = problem.sample(batch_size, gen)
-        batch = {"X": X, "Y": Y}
+        Sxx, Syx = problem.sample_moments(batch_size, gen)
+        batch = {"Sxx": Sxx, "Syx": Syx}
         if second:
-            batch["X2"], batch["Y2"] = problem.sample(batch_size, gen)
+            batch["Sxx2"], batch["Syx2"] = problem.sample_moments(batch_size, gen)
         yield batch
 
 
