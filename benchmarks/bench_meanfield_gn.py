@@ -16,9 +16,19 @@ step J^T z. They differ only in how K and J^T z are obtained:
 
 Two reports per dtype (float64, float32 parameters; Gram matrices are float64 in every route):
 ``meanfield_gn_step_vs_authors_<dtype>`` (m = 500, all three routes, baseline ``authors_vmap``) and, outside
-``--quick``, ``meanfield_gn_step_vs_chunked_<dtype>`` (m = 2000 and 5000, baseline ``chunked_dense``). :func:`flop_byte_model` gives the
-operation and memory-traffic count of each route, and :func:`main` prints the measured speed-up as a fraction of the
-model's, and the peak-memory ratio.
+``--quick``, ``meanfield_gn_step_vs_chunked_<dtype>`` (m = 2000 and 5000, baseline ``chunked_dense``).
+
+**The model.** :func:`flop_byte_model` counts the operations and the memory traffic of each route, phase by phase.
+:func:`machine_ceilings` times, in the same run, what this machine attains for each kind of work: a GEMM of the Gram
+products' shape (in the parameters' dtype and in float64), streaming bandwidth (a copy of 256 MiB, beyond the
+last-level cache), and the two LAPACK factorisations on an n x n matrix (a symmetric eigensolver and a Cholesky
+factorisation reach neither the GEMM rate nor a bandwidth bound, so they are counted at their own measured time).
+:func:`roofline_time` prices each phase at ``max(flops / rate, bytes / bandwidth)`` and sums the phases: the
+roofline model of the route on this machine. ``meanfield_gn_step_model`` reports, per size and dtype, the measured
+speed-up of ``structured`` as a fraction of the roofline model's speed-up (the goal: at least 70 %), each route's
+*efficiency* (model time / measured time: how close it runs to its own roofline), the flop-only and byte-only
+ratios (bounds, not time models: the structured route is compute-bound, the dense ones memory-bound), and the
+peak-memory ratio.
 
 ``meanfield_gn_step_scaling``: the cost of the ``structured`` step against the width m at n = 50 (the model's
 4n²m + 2nm(d + 2) + 2nmd terms are linear in m; the 9n³ eigenvalue problem does not grow): exponent 1.
@@ -29,7 +39,9 @@ Run ``python benchmarks/bench_meanfield_gn.py [--quick]`` or ``benchmarks/run_al
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +50,7 @@ import torch
 from torch.func import vjp, vmap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import compare, ratio_table, scaling  # noqa: E402
+from harness import RESULTS_DIR, compare, machine_info, ratio_table, scaling  # noqa: E402
 
 from curvlab import config  # noqa: E402
 from curvlab import meanfield as mf  # noqa: E402
@@ -96,29 +108,105 @@ def chunked_dense(s: dict) -> torch.Tensor:
     return _dense_step(s, J)
 
 
-def flop_byte_model(route: str, n: int, m: int, d: int, itemsize: int = 8) -> dict:
-    """Leading-order floating-point operations and bytes moved by one GN step along ``route``.
-
-    Shared by all routes: the forward pass (2nmd), the n x n eigenvalue problem (about 9n^3 with tridiagonalisation)
-    and the Cholesky solve (n^3/3). ``structured``: two n x m x n Gram products (4n^2 m) and J^T z (2nm(d+2));
-    it touches Phi and A (2nm entries) and K. The dense routes: n VJPs over the whole batch, each a backward pass
-    (2nmd for the W-gradient, which dominates), i.e. 2n^2 md; then K = JJ^T (2n^2 p) and J^T z (2np), with
-    p = m(d+2); they write and read J (np entries, twice) and, vmapped, hold (n, n, m) intermediates.
-    """
+def _phases(route: str, n: int, m: int, d: int, itemsize: int) -> list[tuple[str, float, float, str]]:
+    """``(phase, flops, bytes, rate)`` of one GN step along ``route``; ``rate`` names the ceiling the flops run at:
+    ``gemm`` (parameters' dtype), ``gemm64`` (the float64 Gram products), ``eig`` and ``chol`` (timed whole)."""
     p = m * (d + 2)
-    shared = 2 * n * m * d + 9 * n ** 3 + n ** 3 / 3
+    f64 = 8
+    shared = [("eigenvalues of K", 0.0, 0.0, "eig"), ("Cholesky of K + lambda I", 0.0, 0.0, "chol")]
     if route == "structured":
-        flops = shared + 4 * n * n * m + 2 * n * m * (d + 2)
-        bytes_ = itemsize * (2 * n * m + n * d) + 8 * (2 * n * m + 2 * n * n)  # params-dtype features, f64 Gram
+        cast = f64 * 2 * n * m if itemsize != f64 else 0.0        # Phi, A converted to the float64 Gram dtype
+        return [
+            # Z = X W^T + b, then Phi = sigma(Z) and A = sigma'(Z) v/m: write Z, read it, write Phi and A
+            ("features Phi, A", 2.0 * n * m * d, itemsize * 4.0 * n * m, "gemm"),
+            # Phi Phi^T and A A^T: read both (n, m) blocks in float64, write two n x n
+            ("Gram products", 4.0 * n * n * m, f64 * 2.0 * n * m + f64 * 2.0 * n * n + cast, "gemm64"),
+            ("K = G + S o (A A^T)", 2.0 * n * n, f64 * 4.0 * n * n, "gemm64"),
+            *shared,
+            # J^T z: Phi^T z, Q = A o z, Q^T X, sum over samples; read Phi and A, write Q
+            ("J^T z from the blocks", 2.0 * n * m * (d + 2), itemsize * 3.0 * n * m, "gemm"),
+        ]
+    return [
+        ("forward pass", 2.0 * n * m * d, itemsize * 2.0 * n * m, "gemm"),
+        # n vector-Jacobian products over the whole batch (the W-gradient, 2nmd each, dominates); vmapped, each
+        # writes and reads about three (n, m) intermediates
+        ("n VJPs (the rows of J)", 2.0 * n * n * m * d, itemsize * 3.0 * n * n * m, "gemm"),
+        ("assemble J, cast to float64", 0.0, itemsize * n * p + f64 * 2.0 * n * p, "gemm64"),
+        ("K = J J^T", 2.0 * n * n * p, f64 * (n * p + n * n), "gemm64"),
+        *shared,
+        ("J^T z", 2.0 * n * p, f64 * n * p, "gemm64"),
+    ]
+
+
+def flop_byte_model(route: str, n: int, m: int, d: int, itemsize: int = 8) -> dict:
+    """Leading-order floating-point operations and bytes moved by one GN step along ``route``, and its peak memory.
+
+    Shared by all routes: the n x n eigenvalue problem (about 9n^3 with tridiagonalisation) and the Cholesky solve
+    (n^3/3). ``structured``: two n x m x n Gram products (4n^2 m) and J^T z (2nm(d+2)); it touches Phi and A (a few
+    passes over 2nm entries) and K. The dense routes: n VJPs over the whole batch, each a backward pass (2nmd for
+    the W-gradient, which dominates), i.e. 2n^2 md; then K = JJ^T (2n^2 p) and J^T z (2np), with p = m(d+2); they
+    write and read J (np entries, twice) and, vmapped, hold (n, n, m) intermediates. ``phases`` lists the same
+    counts phase by phase for :func:`roofline_time`.
+    """
+    phases = _phases(route, n, m, d, itemsize)
+    lapack = 9 * n ** 3 + n ** 3 / 3
+    flops = sum(f for _, f, _, _ in phases) + lapack
+    bytes_ = sum(b for _, _, b, _ in phases)
+    if route == "structured":
         peak = 8 * (3 * n * m + 2 * n * n)
     else:
         chunk = n if route == "authors_vmap" else _chunk(n, m, itemsize)
-        flops = shared + 2 * n * n * m * d + 2 * n * n * p + 2 * n * p
-        # the n vmapped backward passes write and read about three (n, m) gradient tensors each; J is written,
-        # converted to float64 and read twice
-        bytes_ = itemsize * 3 * n * n * m + itemsize * n * p + 8 * (3 * n * p + n * n)
+        p = m * (d + 2)
         peak = itemsize * n * p + 8 * n * p + 3 * itemsize * chunk * n * m
-    return {"route": route, "flops": float(flops), "bytes": float(bytes_), "model_peak_bytes": float(peak)}
+    return {"route": route, "flops": float(flops), "bytes": float(bytes_), "model_peak_bytes": float(peak),
+            "phases": phases}
+
+
+def _median_time(thunk, dev: torch.device, repeats: int = 5) -> float:
+    thunk()
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        thunk()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def machine_ceilings(n: int, dtype: torch.dtype, m_gemm: int = 2000) -> dict:
+    """What this machine attains for each kind of work in :func:`_phases`, timed now (medians of 5):
+
+    ``gemm`` / ``gemm64``: flop/s of an (n x m_gemm) @ (m_gemm x n) product (the Gram products' shape) in ``dtype``
+    and in float64; ``bandwidth``: bytes/s of copying 256 MiB (read + write, beyond the last-level cache);
+    ``eig`` / ``chol``: seconds of ``eigvalsh`` and ``cholesky`` of an n x n SPD float64 matrix."""
+    dev = config.device()
+    out = {}
+    for key, dt in (("gemm", dtype), ("gemm64", torch.float64)):
+        P = torch.randn(n, m_gemm, dtype=dt, device=dev)
+        out[key] = 2.0 * n * n * m_gemm / _median_time(lambda: P @ P.T, dev)
+    big = torch.randn(32 * 2**20, dtype=torch.float64, device=dev)
+    out["bandwidth"] = 2.0 * big.numel() * 8 / _median_time(lambda: big.clone(), dev)
+    del big
+    A = torch.randn(n, 2 * n, dtype=torch.float64, device=dev)
+    K = A @ A.T / n
+    out["eig"] = _median_time(lambda: torch.linalg.eigvalsh(K), dev)
+    out["chol"] = _median_time(lambda: torch.linalg.cholesky(K), dev)
+    return out
+
+
+def roofline_time(phases: list, ceilings: dict) -> float:
+    """Seconds of a route on this machine by the roofline: each phase at ``max(flops / rate, bytes / bandwidth)``,
+    the LAPACK phases at their measured time, summed."""
+    total = 0.0
+    for _, flops, bytes_, rate in phases:
+        if rate in ("eig", "chol"):
+            total += ceilings[rate]
+        else:
+            total += max(flops / ceilings[rate], bytes_ / ceilings["bandwidth"])
+    return total
 
 
 def _check_agreement(s: dict, routes: dict) -> None:
@@ -143,8 +231,9 @@ def _run(name: str, variants: dict, sizes: list, dtype: torch.dtype, baseline: s
     return table
 
 
-def summarise(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
-    """Measured speed-up of ``structured`` over the baseline, as a fraction of the model's; memory ratio."""
+def summarise(table: pd.DataFrame, baseline: str, ceilings: dict) -> pd.DataFrame:
+    """Measured speed-up of ``structured`` over the baseline, as a fraction of the roofline model's (the goal) and of
+    the flop-only and byte-only ratios; each route's efficiency against its roofline time; memory ratios."""
     out = []
     for (size, dt), g in table.groupby(["size", "dtype"]):
         m = int(dict(kv.split("=") for kv in size.split(", "))["m"])
@@ -152,17 +241,60 @@ def summarise(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
         st = g[g.variant == "structured"].iloc[0]
         base = g[g.variant == baseline].iloc[0]
         fm = {r: flop_byte_model(r, N, m, D, item) for r in ("structured", baseline)}
-        model = fm[baseline]["flops"] / fm["structured"]["flops"]
+        roof = {r: roofline_time(fm[r]["phases"], ceilings) for r in fm}
+        model_r = roof[baseline] / roof["structured"]
+        model_f = fm[baseline]["flops"] / fm["structured"]["flops"]
         model_b = fm[baseline]["bytes"] / fm["structured"]["bytes"]
         measured = 1.0 / st.ratio
         out.append({"size": size, "dtype": dt, "baseline": baseline,
                     "time_structured_ms": 1e3 * st.median_time_s, "time_baseline_ms": 1e3 * base.median_time_s,
                     "speedup_measured": measured, "speedup_ci": f"{1 / st.ratio_ci_high:.3g}-{1 / st.ratio_ci_low:.3g}",
-                    "speedup_model_flops": model, "fraction_of_model": measured / model,
+                    "roofline_structured_ms": 1e3 * roof["structured"], "roofline_baseline_ms": 1e3 * roof[baseline],
+                    "speedup_model_roofline": model_r, "fraction_of_roofline_model": measured / model_r,
+                    "efficiency_structured": roof["structured"] / st.median_time_s,
+                    "efficiency_baseline": roof[baseline] / base.median_time_s,
+                    "speedup_model_flops": model_f, "fraction_of_flop_model": measured / model_f,
                     "speedup_model_bytes": model_b, "fraction_of_byte_model": measured / model_b,
                     "mem_ratio_measured": 1.0 / st.mem_ratio if st.mem_ratio > 0 else float("nan"),
                     "mem_ratio_model": fm[baseline]["model_peak_bytes"] / fm["structured"]["model_peak_bytes"]})
     return pd.DataFrame(out)
+
+
+def write_model_report(summaries: list, ceilings: dict, results_dir: Path | None = None) -> Path:
+    """``meanfield_gn_step_model.{json,md}``: the ceilings measured per dtype and every summary row."""
+    out = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    frame = pd.concat(summaries, ignore_index=True)
+    machine = machine_info(config.device())
+    (out / "meanfield_gn_step_model.json").write_text(json.dumps(
+        {"name": "meanfield_gn_step_model", "machine": machine, "ceilings": ceilings,
+         "rows": json.loads(frame.to_json(orient="records"))}, indent=1) + "\n")
+    lines = [
+        "**Benchmark `meanfield_gn_step_model`** — one GN step (n = 500, d = 10): the measured speed-up of "
+        "`structured` against the roofline model's, and each route's efficiency (roofline time / measured time).",
+        "",
+        f"Machine: {machine['cpu_model']}, {machine['cores_available']} cores available (torch threads "
+        f"{machine['torch_threads']}), device {machine['device']}; torch {machine['torch']}; curvlab rev "
+        f"`{machine['curvlab_revision']}`; {machine['timestamp_utc']}.",
+        "",
+        "Ceilings measured in the same run: " + "; ".join(
+            f"{dt}: GEMM {c['gemm'] / 1e9:.0f} GFLOP/s (float64 {c['gemm64'] / 1e9:.0f}), bandwidth "
+            f"{c['bandwidth'] / 1e9:.1f} GB/s, eigvalsh {1e3 * c['eig']:.1f} ms, Cholesky {1e3 * c['chol']:.1f} ms"
+            for dt, c in ceilings.items()) + ".",
+        "",
+        "| m | dtype | baseline | measured speed-up (95% CI) | roofline model | fraction of model | efficiency: "
+        "structured / baseline | flop-only / byte-only model | memory ratio |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in frame.itertuples():
+        m = dict(kv.split("=") for kv in r.size.split(", "))["m"]
+        lines.append(f"| {m} | {r.dtype} | {r.baseline} | {r.speedup_measured:.3g} ({r.speedup_ci}) | "
+                     f"{r.speedup_model_roofline:.3g} | {100 * r.fraction_of_roofline_model:.0f} % | "
+                     f"{100 * r.efficiency_structured:.0f} % / {100 * r.efficiency_baseline:.0f} % | "
+                     f"{r.speedup_model_flops:.3g} / {r.speedup_model_bytes:.3g} | {r.mem_ratio_measured:.3g} |")
+    path = out / "meanfield_gn_step_model.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def main(quick: bool = False) -> list:
@@ -171,18 +303,22 @@ def main(quick: bool = False) -> list:
     ``quick``: m = 500 only (all three routes), 2 repeats — about a minute on two cores. Full: also
     m = 2000 and 5000 against the chunked route (the dense routes take tens of seconds per call there).
     """
-    tables = []
+    tables, summaries, ceilings = [], [], {}
     for dtype in (torch.float64, torch.float32):
         tag = str(dtype).replace("torch.", "")
+        ceilings[tag] = machine_ceilings(N, dtype)
         t1 = _run(f"meanfield_gn_step_vs_authors_{tag}",
                   {"authors_vmap": authors_vmap, "structured": structured, "chunked_dense": chunked_dense},
                   [{"n": N, "d": D, "m": 500}], dtype, "authors_vmap", 2 if quick else 5)
-        tables += [t1, summarise(t1, "authors_vmap")]
+        summaries.append(summarise(t1, "authors_vmap", ceilings[tag]))
+        tables += [t1, summaries[-1]]
         if not quick:
             t2 = _run(f"meanfield_gn_step_vs_chunked_{tag}",
                       {"chunked_dense": chunked_dense, "structured": structured},
                       [{"n": N, "d": D, "m": w} for w in (2000, 5000)], dtype, "chunked_dense", 3)
-            tables += [t2, summarise(t2, "chunked_dense")]
+            summaries.append(summarise(t2, "chunked_dense", ceilings[tag]))
+            tables += [t2, summaries[-1]]
+    write_model_report(summaries, ceilings)
     tables.append(scaling_curve(quick))
     return tables
 

@@ -137,3 +137,59 @@ def test_scaling_writes_its_reports(harness, tmp_path):
     with pytest.raises(ValueError, match="x must"):
         harness.scaling("toy_scaling", {"fill": lambda n: 0}, [{"n": 1}], x="m", probe={"n": 1}, expected={},
                         write=False)
+
+
+# ------------------------------------------------------------------------------------- the mean-field step's model
+@pytest.fixture(scope="module")
+def mf_bench():
+    import sys
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("curvlab_bench_meanfield", BENCH / "bench_meanfield_gn.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_meanfield_roofline_model_prices_each_phase_at_its_bound(mf_bench):
+    """The roofline sums max(flops / rate, bytes / bandwidth) per phase, LAPACK phases at their measured time; the
+    phase counts add up to the route totals (plus the n x n LAPACK work). Nothing is timed."""
+    n, m, d = 500, 2000, 10
+    ceil = {"gemm": 1e11, "gemm64": 5e10, "bandwidth": 1e10, "eig": 0.015, "chol": 0.002}
+    for route in ("structured", "chunked_dense", "authors_vmap"):
+        fm = mf_bench.flop_byte_model(route, n, m, d, 8)
+        assert fm["flops"] == pytest.approx(sum(f for _, f, _, _ in fm["phases"]) + 9 * n**3 + n**3 / 3)
+        assert fm["bytes"] == pytest.approx(sum(b for _, _, b, _ in fm["phases"]))
+        want = sum(ceil[r] if r in ("eig", "chol") else max(f / ceil[r], b / ceil["bandwidth"])
+                   for _, f, b, r in fm["phases"])
+        assert mf_bench.roofline_time(fm["phases"], ceil) == pytest.approx(want)
+    s = mf_bench.flop_byte_model("structured", n, m, d, 8)
+    dense = mf_bench.flop_byte_model("chunked_dense", n, m, d, 8)
+    grams = next(p for p in s["phases"] if p[0] == "Gram products")
+    assert grams[1] == 4 * n * n * m                                   # compute-bound at these ceilings
+    vjps = next(p for p in dense["phases"] if p[0].startswith("n VJPs"))
+    assert vjps[2] / ceil["bandwidth"] > vjps[1] / ceil["gemm"]        # memory-bound: the (n, n, m) intermediates
+    faster = dict(ceil, bandwidth=1e12)                                 # the model responds to its ceilings
+    assert mf_bench.roofline_time(dense["phases"], faster) < mf_bench.roofline_time(dense["phases"], ceil)
+
+
+def test_meanfield_model_report(mf_bench, tmp_path):
+    """summarise() and write_model_report() on a synthetic ratio table: the fraction of the roofline model is the
+    measured speed-up over the model's, and the report says so."""
+    import pandas as pd
+    size = "n=500, d=10, m=2000"
+    table = pd.DataFrame([
+        {"size": size, "dtype": "float64", "variant": "chunked_dense", "ratio": 1.0, "ratio_ci_low": 1.0,
+         "ratio_ci_high": 1.0, "median_time_s": 2.0, "mem_ratio": 1.0},
+        {"size": size, "dtype": "float64", "variant": "structured", "ratio": 0.02, "ratio_ci_low": 0.019,
+         "ratio_ci_high": 0.021, "median_time_s": 0.04, "mem_ratio": 0.1},
+    ])
+    ceil = {"gemm": 1e11, "gemm64": 5e10, "bandwidth": 1e10, "eig": 0.015, "chol": 0.002}
+    out = mf_bench.summarise(table, "chunked_dense", ceil)
+    row = out.iloc[0]
+    assert row.speedup_measured == pytest.approx(50.0)
+    assert row.fraction_of_roofline_model == pytest.approx(50.0 / row.speedup_model_roofline)
+    assert row.efficiency_structured == pytest.approx(row.roofline_structured_ms / 40.0)
+    path = mf_bench.write_model_report([out], {"float64": ceil}, results_dir=tmp_path)
+    text = path.read_text()
+    assert "fraction of model" in text and f"{100 * row.fraction_of_roofline_model:.0f} %" in text
+    assert json.loads((tmp_path / "meanfield_gn_step_model.json").read_text())["rows"][0]["baseline"] == "chunked_dense"
