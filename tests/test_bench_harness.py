@@ -191,5 +191,5 @@ def test_meanfield_model_report(mf_bench, tmp_path):
     assert row.efficiency_structured == pytest.approx(row.roofline_structured_ms / 40.0)
     path = mf_bench.write_model_report([out], {"float64": ceil}, results_dir=tmp_path)
     text = path.read_text()
-    assert "fraction of model" in text and f"{100 * row.fraction_of_roofline_model:.0f} %" in text
+    assert "| fraction |" in text and f"{100 * row.fraction_of_roofline_model:.0f} %" in text
     assert json.loads((tmp_path / "meanfield_gn_step_model.json").read_text())["rows"][0]["baseline"] == "chunked_dense"
