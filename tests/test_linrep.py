@@ -65,17 +65,18 @@ def test_sample_moments_monte_carlo(x_dist):
 @pytest.mark.parametrize("x_dist", ["gaussian", "rademacher"])
 @pytest.mark.parametrize("noise", [0.0, 0.4])
 @pytest.mark.parametrize("transfer", [False, True])
-def test_sample_moments_equal_moments_of_sample(x_dist, noise, transfer):
+@pytest.mark.parametrize("n", [33, 5])                   # n >= d: the Z^T Z route; n < d: through sample()
+def test_sample_moments_equal_moments_of_sample(x_dist, noise, transfer, n):
     """The fast path of run(): the moments of the very batch sample() draws from the same generator state,
     to rounding (float64: a few ulps of the largest entry)."""
     P = _problem(S=3, d=9, k=3, d_y=5, noise=noise, x_dist=x_dist, transfer_kappa=7.0)
-    X, Y = P.sample(33, _gen(8), transfer=transfer)
+    X, Y = P.sample(n, _gen(8), transfer=transfer)
     want = L.batch_moments({"X": X, "Y": Y})
-    got = P.sample_moments(33, _gen(8), transfer=transfer)
+    got = P.sample_moments(n, _gen(8), transfer=transfer)
     for w, g in zip(want, got):
         assert g.shape == w.shape
         assert (g - w).abs().max() <= 64 * torch.finfo(w.dtype).eps * w.abs().max()
-    different = P.sample_moments(33, _gen(9), transfer=transfer)[0]        # it does depend on the draws
+    different = P.sample_moments(n, _gen(9), transfer=transfer)[0]         # it does depend on the draws
     assert (different - want[0]).abs().max() > 1e-3 * want[0].abs().max()
 
 

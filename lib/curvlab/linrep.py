@@ -220,13 +220,16 @@ class LinRepProblem:
         With :math:`X = Z\Sigma^{1/2}` and :math:`Y = XB^\top + \sigma E` (:math:`B = F_\star G_\star`),
         :math:`\hat\Sigma = \Sigma^{1/2}(Z^\top Z/n)\Sigma^{1/2}` and :math:`\hat\Sigma_{yx} = B\hat\Sigma +
         \sigma(E^\top Z/n)\Sigma^{1/2}`: one product of size :math:`n d^2` per seed instead of four (:math:`Z`,
-        :math:`X^\top X`, :math:`Y`, :math:`Y^\top X`), and products of size :math:`d^3` (chapter 10 uses
-        :math:`n\ge d`). For Rademacher inputs :math:`Z = 2R - 1` with :math:`R\in\{0,1\}^{n\times d}`, and
+        :math:`X^\top X`, :math:`Y`, :math:`Y^\top X`), and products of size :math:`d^3`: cheaper when
+        :math:`n\ge d`, as in the book's experiments; for :math:`n < d` the moments are formed from :meth:`sample`'s
+        ``X`` and ``Y``, the same draws. For Rademacher inputs :math:`Z = 2R - 1` with :math:`R\in\{0,1\}^{n\times d}`, and
         :math:`Z^\top Z = 4R^\top R - 2(c\mathbf 1^\top + \mathbf 1c^\top) + n\mathbf 1\mathbf 1^\top`
         (:math:`c = R^\top\mathbf 1`) is an integer matrix computed exactly. Agrees with
         ``batch_moments({'X': X, 'Y': Y})`` of :meth:`sample` to rounding (tested)."""
         n = check_int("n", n, min_value=1)
         S, d, d_y = self.n_seeds, self.d, self.d_y
+        if n < d:                          # the d^3 products would cost more than forming X and Y
+            return batch_moments(dict(zip("XY", self.sample(n, generator, transfer))))
         gdev = generator.device if generator is not None else self.device
         opts = dict(generator=generator, dtype=self.dtype, device=gdev)
         half, F, sig = ((self.Sigma_T_half, self.Fstar_T, self.noise_T) if transfer
