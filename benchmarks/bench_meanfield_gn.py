@@ -10,12 +10,14 @@ step J^T z. They differ only in how K and J^T z are obtained:
 ``authors_vmap``
     the authors' route (their ``GN.step``): J (n x p) from ``torch.func.vmap`` over the n per-output VJPs at once,
     then K = J J^T and J^T z as dense products. Its vmapped intermediates are (n, n, m) tensors (about 3 GB at
-    m = 500 in float64, 12 GB at m = 2000), so it is run at m = 500 only.
+    m = 500 in float64, 12 GB at m = 2000, 30 GB at m = 5000), so it runs at the widths whose model peak fits in
+    half the memory available when the benchmark starts (:func:`authors_widths`).
 ``chunked_dense``
     the same dense J built by VJPs in row chunks whose intermediates fit 256 MiB, then the same dense products.
 
 Two reports per dtype (float64, float32 parameters; Gram matrices are float64 in every route):
-``meanfield_gn_step_vs_authors_<dtype>`` (m = 500, all three routes, baseline ``authors_vmap``) and, outside
+``meanfield_gn_step_vs_authors_<dtype>`` (all three routes, baseline ``authors_vmap``; m = 500, and outside ``--quick``
+2000 and 5000 where they fit) and, outside
 ``--quick``, ``meanfield_gn_step_vs_chunked_<dtype>`` (m = 2000 and 5000, baseline ``chunked_dense``).
 
 **The model.** :func:`flop_byte_model` counts the operations and the memory traffic of each route, phase by phase.
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -209,6 +212,29 @@ def roofline_time(phases: list, ceilings: dict) -> float:
     return total
 
 
+def _available_bytes() -> float:
+    """Memory available for new allocations now: the device's free memory on CUDA, else MemAvailable (Linux) or,
+    failing that, the physical memory."""
+    dev = config.device()
+    if dev.type == "cuda":
+        return float(torch.cuda.mem_get_info(dev)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return 1024.0 * float(line.split()[1])
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def authors_widths(widths, dtype: torch.dtype, share: float = 0.5) -> list[int]:
+    """The widths at which the authors' route's model peak memory fits in ``share`` of the available memory."""
+    item = torch.finfo(dtype).bits // 8
+    room = share * _available_bytes()
+    return [m for m in widths if flop_byte_model("authors_vmap", N, m, D, item)["model_peak_bytes"] <= room]
+
+
 def _check_agreement(s: dict, routes: dict) -> None:
     ref = structured(s)
     tol = 1e-6 if s["dtype"] == torch.float64 else 2e-3
@@ -306,16 +332,18 @@ def write_model_report(summaries: list, ceilings: dict, results_dir: Path | None
 def main(quick: bool = False) -> list:
     """Run the comparisons; return the ratio tables and the model summaries.
 
-    ``quick``: m = 500 only (all three routes), 2 repeats — about a minute on two cores. Full: also
-    m = 2000 and 5000 against the chunked route (the dense routes take tens of seconds per call there).
+    ``quick``: m = 500 only (all three routes), 2 repeats — about a minute on two cores. Full: the authors' route
+    at every width that fits in memory (3 repeats), and m = 2000 and 5000 against the chunked route (the dense
+    routes take seconds to tens of seconds per call there).
     """
     tables, summaries, ceilings = [], [], {}
     for dtype in (torch.float64, torch.float32):
         tag = str(dtype).replace("torch.", "")
         ceilings[tag] = machine_ceilings(N, dtype)
+        widths = [500] if quick else authors_widths((500, 2000, 5000), dtype)
         t1 = _run(f"meanfield_gn_step_vs_authors_{tag}",
                   {"authors_vmap": authors_vmap, "structured": structured, "chunked_dense": chunked_dense},
-                  [{"n": N, "d": D, "m": 500}], dtype, "authors_vmap", 2 if quick else 5)
+                  [{"n": N, "d": D, "m": w} for w in widths], dtype, "authors_vmap", 2 if quick else 3)
         summaries.append(summarise(t1, "authors_vmap", ceilings[tag]))
         tables += [t1, summaries[-1]]
         if not quick:

@@ -193,3 +193,14 @@ def test_meanfield_model_report(mf_bench, tmp_path):
     text = path.read_text()
     assert "| fraction |" in text and f"{100 * row.fraction_of_roofline_model:.0f} %" in text
     assert json.loads((tmp_path / "meanfield_gn_step_model.json").read_text())["rows"][0]["baseline"] == "chunked_dense"
+
+
+def test_meanfield_authors_route_runs_where_its_memory_fits(mf_bench, monkeypatch):
+    """The authors' vmapped route holds (n, n, m) intermediates: 3 GB at m = 500 in float64, 12 GB at 2000. The
+    benchmark keeps the widths whose model peak fits in half the available memory (no allocation here)."""
+    monkeypatch.setattr(mf_bench, "_available_bytes", lambda: 24 * 2.0**30)
+    assert mf_bench.authors_widths((500, 2000, 5000), torch.float64) == [500, 2000]
+    assert mf_bench.authors_widths((500, 2000, 5000), torch.float32) == [500, 2000]
+    monkeypatch.setattr(mf_bench, "_available_bytes", lambda: 4 * 2.0**30)
+    assert mf_bench.authors_widths((500, 2000, 5000), torch.float64) == []
+    assert mf_bench.authors_widths((500, 2000, 5000), torch.float32) == [500]
