@@ -296,6 +296,9 @@ def write_model_report(summaries: list, ceilings: dict, results_dir: Path | None
     out = Path(results_dir) if results_dir is not None else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     frame = pd.concat(summaries, ignore_index=True)
+    frame["_m"] = [int(dict(kv.split("=") for kv in z.split(", "))["m"]) for z in frame["size"]]
+    frame = (frame.sort_values(["dtype", "baseline", "_m"], ascending=[False, True, True], kind="stable")
+             .drop(columns="_m").reset_index(drop=True))
     machine = machine_info(config.device())
     (out / "meanfield_gn_step_model.json").write_text(json.dumps(
         {"name": "meanfield_gn_step_model", "machine": machine, "ceilings": ceilings,
@@ -379,9 +382,32 @@ def scaling_curve(quick: bool = False) -> pd.DataFrame:
                          "in m. Every size's working set exceeds the last-level cache (one memory regime).")
 
 
+def fault_profile(m: int = 500, dtype: torch.dtype = torch.float64, calls: int = 3) -> pd.DataFrame:
+    """Where each route's CPU time goes at width ``m``: wall, user and system seconds per call and minor page
+    faults per call (``resource.getrusage``; Linux/macOS). Not part of the timed report."""
+    import resource
+    s, rows = problem(N, D, m, dtype), []
+    for name, route in (("authors_vmap", authors_vmap), ("chunked_dense", chunked_dense), ("structured", structured)):
+        route(s)
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        for _ in range(calls):
+            route(s)
+        r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        rows.append({"route": name, "m": m, "dtype": str(dtype).replace("torch.", ""),
+                     "wall_s": (t1 - t0) / calls, "user_s": (r1.ru_utime - r0.ru_utime) / calls,
+                     "system_s": (r1.ru_stime - r0.ru_stime) / calls,
+                     "minor_faults": (r1.ru_minflt - r0.ru_minflt) / calls})
+    return pd.DataFrame(rows)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="width 500 only, fewer repeats")
+    parser.add_argument("--faults", action="store_true", help="only the page-fault profile of each route (m = 500)")
     pd.set_option("display.width", 200)
-    for table in main(parser.parse_args().quick):
-        print(table.to_string(index=False, float_format="{:.4g}".format))
+    args = parser.parse_args()
+    if args.faults:
+        print(fault_profile().to_string(index=False, float_format="{:.4g}".format))
+    else:
+        for table in main(args.quick):
+            print(table.to_string(index=False, float_format="{:.4g}".format))
