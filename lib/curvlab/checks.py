@@ -52,6 +52,7 @@ __all__ = [
     "bound",
     "identity",
     "claim",
+    "at_grid_edge",
     "section",
     "report",
     "records",
@@ -215,6 +216,8 @@ class CheckRecord:
     effect: float | None = None
     underpowered: bool = False
     route: str = ""
+    compares: str = ""  # "what is compared with what": the measured side's route vs the predicted side's route
+    evidence: str = ""  # "evidence" (two independent routes) | "consistency" (one code path) | "" (unclassified)
     note: str = ""
     timestamp: float = field(default_factory=time.time)
 
@@ -292,6 +295,22 @@ def _require_tolerance(tol: Any) -> Tolerance:
     return tol
 
 
+EVIDENCE_KINDS = ("evidence", "consistency")
+
+
+def _classify(compares: str, evidence: str | None) -> dict[str, str]:
+    """Validate the "what is compared with what" keywords of a derived check."""
+    if not isinstance(compares, str):
+        raise TypeError(f"compares must be a string ('<measured route> vs <predicted route>'), got {type(compares).__name__}")
+    if evidence is None:
+        evidence = ""
+    if evidence not in ("",) + EVIDENCE_KINDS:
+        raise ValueError(f"evidence must be one of {list(EVIDENCE_KINDS)}, got {evidence!r}")
+    if evidence and not compares.strip():
+        raise ValueError("compares must say what is compared with what when evidence is given")
+    return dict(compares=compares.strip(), evidence=evidence)
+
+
 def _common(name: str, source: str) -> dict[str, Any]:
     if not isinstance(name, str) or not name.strip():
         raise ValueError("name must be a non-empty string")
@@ -312,6 +331,8 @@ def derived(
     foil: Any,
     source: str = "derived here",
     statistic: str = "",
+    compares: str = "",
+    evidence: str | None = None,
 ) -> None:
     r"""Assert ``max |measured − predicted| ≤ tol`` and that the foil is rejected: ``max |measured − foil| > tol``.
 
@@ -322,6 +343,11 @@ def derived(
         (e.g. ``P⊥ΣP⊥`` instead of the Schur complement) or the prediction with the effect removed.
     tol
         A :class:`Tolerance`; a plain number is refused.
+    compares, evidence
+        What is compared with what (``"Monte Carlo, 32 seeds vs closed form (eq. 3)"``), and whether the two
+        sides come from independent routes (``"evidence"``: SymPy, a dense ``torch.func`` reference, Monte
+        Carlo, another algorithm) or from one code path (``"consistency"``: a unit test shown in the book, not
+        counted as evidence). Shown in the ledger's "compares" column.
 
     Raises
     ------
@@ -331,6 +357,7 @@ def derived(
         when the foil passes too: the check could not have failed, so it is no evidence.
     """
     tol = _require_tolerance(tol)
+    cls = _classify(compares, evidence)
     m, p, f = _as_array("measured", measured), _as_array("predicted", predicted), _as_array("foil", foil)
     try:
         err = float(np.max(np.abs(m - p)))
@@ -339,14 +366,14 @@ def derived(
     except ValueError as exc:
         raise ValueError(f"measured, predicted and foil must broadcast together: {exc}") from exc
     _settle("derived", name, source, statistic or "max |measured − predicted|", (m, p, f), tol, err, foil_err,
-            effect, f"error {err:.3g}; foil error {foil_err:.3g}",
+            effect, cls, f"error {err:.3g}; foil error {foil_err:.3g}",
             f"{name}: |measured − predicted| = {err:.4g} > tol = {tol.value:.4g} [{tol.why}]",
             f"{name}: the foil also passes (|measured − foil| = {foil_err:.4g} ≤ tol = {tol.value:.4g}); "
             "this check could not have failed, so it is no evidence")
 
 
 def _settle(kind: str, name: str, source: str, statistic: str, values: tuple, tol: Tolerance, err: float,
-            foil_err: float, effect: float, note: str, fail_msg: str, foil_msg: str) -> None:
+            foil_err: float, effect: float, cls: dict[str, str], note: str, fail_msg: str, foil_msg: str) -> None:
     """Record a derived or bound check, then raise if the prediction missed or the foil was not rejected."""
     ok, foil_ok = err <= tol.value, foil_err <= tol.value
     m, p, f = values
@@ -362,6 +389,7 @@ def _settle(kind: str, name: str, source: str, statistic: str, values: tuple, to
         effect=effect,
         underpowered=tol.value > UNDERPOWERED_RATIO * effect,
         note=note,
+        **cls,
         **_common(name, source),
     ))
     if not ok:
@@ -379,13 +407,17 @@ def bound(
     foil: Any,
     source: str = "derived here",
     statistic: str = "",
+    compares: str = "",
+    evidence: str | None = None,
 ) -> None:
     r"""Assert the derived bound ``measured ≤ upper + tol`` element-wise, and that the foil bound is violated.
 
     ``foil`` is a deliberately wrong (too small) bound — e.g. the same formula with the pseudo ``σ_min`` — that
     the measured values must violate somewhere (``measured > foil + tol``), otherwise the check is no evidence.
+    ``compares`` and ``evidence`` as in :func:`derived`.
     """
     tol = _require_tolerance(tol)
+    cls = _classify(compares, evidence)
     m, u, f = _as_array("measured", measured), _as_array("upper", upper), _as_array("foil", foil)
     try:
         slack = float(np.max(m - u))
@@ -393,7 +425,7 @@ def bound(
     except ValueError as exc:
         raise ValueError(f"measured, upper and foil must broadcast together: {exc}") from exc
     _settle("bound", name, source, statistic or "max (measured − bound)", (m, u, f), tol, slack, foil_slack,
-            float(np.max(np.abs(u - f))), f"worst slack {slack:.3g}; foil worst slack {foil_slack:.3g}",
+            float(np.max(np.abs(u - f))), cls, f"worst slack {slack:.3g}; foil worst slack {foil_slack:.3g}",
             f"{name}: the bound is violated by {slack:.4g} > tol = {tol.value:.4g} [{tol.why}]",
             f"{name}: the foil bound holds too (worst slack {foil_slack:.4g}); the check is no evidence")
 
@@ -481,6 +513,8 @@ def identity(
     source: str = "derived here",
     trials: int = 8,
     seed: int = 0,
+    compares: str = "SymPy: lhs vs rhs, exact",
+    evidence: str | None = "evidence",
 ) -> None:
     r"""Prove the SymPy identity ``lhs = rhs`` (scalars or matrices) and record which route proved it.
 
@@ -492,6 +526,7 @@ def identity(
     """
     import sympy as sp
 
+    cls = _classify(compares, evidence)
     diff = _sympy_residual(lhs, rhs)
     route = _prove(diff, trials, seed)
     syms = sorted(diff.free_symbols, key=lambda s: s.name)
@@ -512,6 +547,7 @@ def identity(
         foil="rhs + (1 + s²)/7",
         route=route or "not proved",
         note="perturbed right-hand side rejected" if not perturbed_route else "perturbed right-hand side ACCEPTED",
+        **cls,
         **_common(name, source),
     )
     _record(rec)
@@ -537,12 +573,18 @@ def claim(
     expect: str,
     threshold: Any,
     z: float = Z_DEFAULT,
+    tuned_at_edge: Any = None,
 ) -> None:
     r"""Record a paper's claim as reproduced, not reproduced or inconclusive — never raise on the outcome.
 
     The claim is that ``statistic`` (measured ``value`` with standard error ``se``) is ``expect`` (``'>'``
     or ``'<'``) ``threshold``. It is *reproduced* when the whole ``z``·SE interval lies on the claimed side,
     *not reproduced* when it lies on the other side, *inconclusive* otherwise.
+
+    ``tuned_at_edge``: when the statistic compares methods whose hyper-parameters were tuned on a grid, give the
+    names of the tuned values that landed on their grid's edge (a string, a list of strings, or a dict
+    ``{name: bool}``). A verdict resting on a tuned value at its grid's edge is recorded as *inconclusive*
+    whatever the interval says (the optimum may lie outside the grid), and the note names the edge values.
     """
     if expect not in _COMPARATORS:
         raise ValueError(f"expect must be one of {list(_COMPARATORS)}, got {expect!r}")
@@ -560,6 +602,11 @@ def claim(
         status = "reproduced" if lo > t else ("not reproduced" if hi < t else "inconclusive")
     else:
         status = "reproduced" if hi < t else ("not reproduced" if lo > t else "inconclusive")
+    edge = _edge_names(tuned_at_edge)
+    note = ""
+    if edge:
+        note = f"tuned value at its grid's edge ({', '.join(edge)}): inconclusive; interval alone said {status}"
+        status = "inconclusive"
     rec = CheckRecord(
         kind="claim",
         status=status,
@@ -568,9 +615,31 @@ def claim(
         predicted=f"{expect} {t:.4g}",
         tolerance=z * s,
         tolerance_why=f"{z:g}·SE of the statistic",
+        note=note,
         **_common(claim, source),
     )
     _record(rec)
+
+
+def _edge_names(tuned_at_edge: Any) -> list[str]:
+    if tuned_at_edge is None or tuned_at_edge is False:
+        return []
+    if isinstance(tuned_at_edge, str):
+        return [tuned_at_edge] if tuned_at_edge.strip() else []
+    if isinstance(tuned_at_edge, dict):
+        return [str(k) for k, v in tuned_at_edge.items() if v]
+    if isinstance(tuned_at_edge, (list, tuple, set)):
+        return [str(x) for x in tuned_at_edge]
+    raise TypeError(f"tuned_at_edge must be a name, a list of names or a dict of booleans, got {type(tuned_at_edge).__name__}")
+
+
+def at_grid_edge(grid: Any, best: Any) -> bool:
+    """True when ``best`` is the smallest or largest value of the tuning ``grid`` (fixed before the run)."""
+    g = np.asarray(_to_numpy(grid), dtype=float).reshape(-1)
+    if g.size < 2:
+        raise ValueError(f"grid must hold at least 2 values, got {g.size}")
+    b = float(np.asarray(_to_numpy(best), dtype=float).reshape(-1)[0])
+    return bool(np.isclose(b, g.min()) or np.isclose(b, g.max()))
 
 
 class expect_failure:
