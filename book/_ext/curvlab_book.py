@@ -9,8 +9,10 @@
 * **Reproduction ledger and execution status.** The ``curvlab-ledger`` and ``curvlab-status`` directives leave a
   placeholder that is filled after every notebook has run (a post-transform at write time), from the chapters'
   check records and myst-nb's execution data.
-* **Budget.** In the ``quick`` profile a notebook that runs longer than :data:`QUICK_BUDGET_S` is a build
-  warning, so ``make test`` (``-W``) fails on it.
+* **Budget.** In the ``quick`` profile each notebook has a design budget of :data:`QUICK_BUDGET_S` seconds.
+  A timing is not a test: run times are *reported* (the execution-status page marks a notebook over budget, and
+  the build prints one summary line), never a warning of the strict build, so ``make test`` passes on a loaded
+  machine. ``benchmarks/bench_quick_budget.py`` checks the budget on an idle machine.
 * **Offline cross-references.** Intersphinx inventories for the third-party types named in ``curvlab``'s
   signatures (torch, numpy, pandas, sympy, matplotlib) are written from a curated list, so the API page
   resolves under nitpicky mode without the network, and links go to the projects' documentation.
@@ -398,13 +400,16 @@ def _build_finished(app: Sphinx, exception: Exception | None) -> None:
     profile, key = app.curvlab_profile, app.curvlab_key  # type: ignore[attr-defined]
     path = execution_record_path(profile, key)
     executed = json.loads(path.read_text()) if path.exists() else {}
-    for docname, rec in sorted(executed.items()):
-        runtime = rec.get("runtime")
-        if profile == "quick" and rec.get("executed") and runtime is not None and runtime > QUICK_BUDGET_S:
-            LOGGER.warning(
-                f"{docname} ran {runtime:.1f} s in the quick profile, over its {QUICK_BUDGET_S:g} s budget",
-                type="curvlab", subtype="budget",
-            )
+    runs = {d: r.get("runtime") for d, r in executed.items() if r.get("executed") and r.get("runtime") is not None}
+    if runs:
+        over = sorted(d for d, t in runs.items() if profile == "quick" and t > QUICK_BUDGET_S)
+        slowest = max(runs, key=runs.get)
+        # Information, not a warning: run time depends on the machine's load (see the module docstring).
+        LOGGER.info(
+            f"curvlab: executed {len(runs)} notebook(s) in the {profile} profile, {sum(runs.values()):.0f} s in all; "
+            f"slowest {slowest} ({runs[slowest]:.1f} s)"
+            + (f"; over the {QUICK_BUDGET_S:g} s design budget (reported, not an error): {', '.join(over)}" if over else "")
+        )
     for chapter, recs in _load_records(app).items():
         for r in recs:
             if r["status"] == "failed":
