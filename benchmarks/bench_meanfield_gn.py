@@ -7,17 +7,25 @@ step J^T z. They differ only in how K and J^T z are obtained:
 
 ``structured``
     ``curvlab.meanfield.gn_direction``: K and J^T z from the closed-form Jacobian blocks; J is never formed.
-``authors_vmap``
-    the authors' route (their ``GN.step``): J (n x p) from ``torch.func.vmap`` over the n per-output VJPs at once,
-    then K = J J^T and J^T z as dense products. Its vmapped intermediates are (n, n, m) tensors (about 3 GB at
-    m = 500 in float64, 12 GB at m = 2000, 30 GB at m = 5000), so it runs at the widths whose model peak fits in
-    60 % of the memory available when the benchmark starts (:func:`authors_widths`).
+``authors_gn``
+    a re-implementation of the authors' step (``benchmarks/authors_gn.py``, following ``GN.step`` in their
+    repository's ``core/optimizers/GN.py``; no code copied): one Jacobian block per parameter tensor from
+    ``torch.vmap`` of ``torch.autograd.grad`` over the rows of the n x n identity, split into ``pieces`` chunks that
+    double when the vmapped call fails (their fallback, up to 128); K accumulated in float64 over the blocks; an
+    SVD of K with the damping ``max(1e-7, s_min)`` added to the singular values; J^T z per block. Its vmapped
+    intermediates are (n / pieces, n, m) tensors (about 3 GB at m = 500 in float64 with one piece). On a CPU an
+    allocation that the kernel would grant lazily and then kill the process for is not an exception, so the
+    benchmark makes the failure explicit: a chunk whose modelled intermediates exceed 60 % of the memory available
+    raises before it allocates (:func:`_memory_guard`), and the authors' doubling takes over from there. (An earlier
+    version of this benchmark called a different route "the authors'": one ``torch.func`` VJP vmapped over a flat
+    parameter vector, an ``eigvalsh`` + Cholesky solve, no chunking. It was 1.1-2x slower than their code in float64
+    and used about 1.5x its memory; the ratios it gave are withdrawn on the performance page.)
 ``chunked_dense``
     the same dense J built by VJPs in row chunks whose intermediates fit 256 MiB, then the same dense products.
 
 Two reports per dtype (float64, float32 parameters; Gram matrices are float64 in every route):
-``meanfield_gn_step_vs_authors_<dtype>`` (all three routes, baseline ``authors_vmap``; m = 500, and outside ``--quick``
-2000 and 5000 where they fit) and, outside
+``meanfield_gn_step_vs_authors_<dtype>`` (all three routes, baseline ``authors_gn``; m = 500, and outside ``--quick``
+2000 and 5000, where the authors' chunking takes over) and, outside
 ``--quick``, ``meanfield_gn_step_vs_chunked_<dtype>`` (m = 2000 and 5000, baseline ``chunked_dense``).
 
 **The model.** :func:`flop_byte_model` counts the operations and the memory traffic of each route, phase by phase.
@@ -54,6 +62,7 @@ from torch.func import vjp, vmap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RESULTS_DIR, compare, machine_info, ratio_table, scaling  # noqa: E402
+import authors_gn  # noqa: E402
 
 from curvlab import config  # noqa: E402
 from curvlab import meanfield as mf  # noqa: E402
@@ -98,10 +107,32 @@ def structured(s: dict) -> torch.Tensor:
     return mf.flatten(res.delta)
 
 
-def authors_vmap(s: dict) -> torch.Tensor:
-    _, pull = vjp(s["fn"], s["theta"])
-    eye = torch.eye(s["n"], dtype=s["dtype"], device=s["theta"].device)
-    return _dense_step(s, vmap(pull)(eye)[0])
+def _memory_guard(n: int, m: int, itemsize: int, share: float = 0.6):
+    """A ``chunked_vmap`` that raises (as an allocation failure would) when a chunk's modelled intermediates, about
+    three (n / pieces, n, m) tensors, exceed ``share`` of the available memory; otherwise the authors' chunking."""
+    real = authors_gn.chunked_vmap
+
+    def guarded(func, pieces, rows):
+        need = 3.0 * itemsize * -(-n // pieces) * n * m
+        if need > share * _available_bytes():
+            raise RuntimeError(f"modelled vmap intermediates {need / 2**30:.1f} GiB do not fit")
+        return real(func, pieces, rows)
+
+    return guarded
+
+
+def authors_gn_route(s: dict) -> torch.Tensor:
+    """The authors' step (re-implemented in ``authors_gn.py``), its direction J^T z flattened as ``mf.flatten``."""
+    p, X = s["params"], s["X"]
+    r = mf.forward(p, X, ACT) - s["Y"]
+    opt = s.setdefault("authors_opt", authors_gn.AuthorsGN(epsilon=FLOOR))  # keeps its chunking between steps
+    item = torch.finfo(s["dtype"]).bits // 8
+    authors_gn.chunked_vmap, real = _memory_guard(s["n"], s["m"], item), authors_gn.chunked_vmap
+    try:
+        (dv, dW, db), _ = opt.direction(lambda v, W, b: mf.forward(mf.MFParams(v, W, b), X, ACT), [p.v, p.W, p.b], r)
+    finally:
+        authors_gn.chunked_vmap = real
+    return torch.cat([dv.reshape(-1), dW.reshape(-1), db.reshape(-1)])
 
 
 def chunked_dense(s: dict) -> torch.Tensor:
@@ -117,6 +148,8 @@ def _phases(route: str, n: int, m: int, d: int, itemsize: int) -> list[tuple[str
     p = m * (d + 2)
     f64 = 8
     shared = [("eigenvalues of K", 0.0, 0.0, "eig"), ("Cholesky of K + lambda I", 0.0, 0.0, "chol")]
+    if route == "authors_gn":
+        shared = [("SVD of K", 0.0, 0.0, "svd"), ("V diag(1/(s + lambda)) U^T r", 4.0 * n * n, f64 * 2.0 * n * n, "gemm64")]
     if route == "structured":
         cast = f64 * 2 * n * m if itemsize != f64 else 0.0        # Phi, A converted to the float64 Gram dtype
         return [
@@ -152,13 +185,13 @@ def flop_byte_model(route: str, n: int, m: int, d: int, itemsize: int = 8) -> di
     counts phase by phase for :func:`roofline_time`.
     """
     phases = _phases(route, n, m, d, itemsize)
-    lapack = 9 * n ** 3 + n ** 3 / 3
+    lapack = 22 * n ** 3 if route == "authors_gn" else 9 * n ** 3 + n ** 3 / 3   # SVD (Golub-Van Loan) vs eig + Cholesky
     flops = sum(f for _, f, _, _ in phases) + lapack
     bytes_ = sum(b for _, _, b, _ in phases)
     if route == "structured":
         peak = 8 * (3 * n * m + 2 * n * n)
     else:
-        chunk = n if route == "authors_vmap" else _chunk(n, m, itemsize)
+        chunk = n if route == "authors_gn" else _chunk(n, m, itemsize)
         p = m * (d + 2)
         peak = itemsize * n * p + 8 * n * p + 3 * itemsize * chunk * n * m
     return {"route": route, "flops": float(flops), "bytes": float(bytes_), "model_peak_bytes": float(peak),
@@ -202,6 +235,7 @@ def machine_ceilings(n: int, dtype: torch.dtype, m_gemm: int = 2000) -> dict:
     K = A @ A.T / n
     out["eig"] = _median_time(lambda: torch.linalg.eigvalsh(K), dev)
     out["chol"] = _median_time(lambda: torch.linalg.cholesky(K), dev)
+    out["svd"] = _median_time(lambda: torch.linalg.svd(K), dev)
     return out
 
 
@@ -210,7 +244,7 @@ def roofline_time(phases: list, ceilings: dict) -> float:
     the LAPACK phases at their measured time, summed."""
     total = 0.0
     for _, flops, bytes_, rate in phases:
-        if rate in ("eig", "chol"):
+        if rate in ("eig", "chol", "svd"):
             total += ceilings[rate]
         else:
             total += max(flops / ceilings[rate], bytes_ / ceilings["bandwidth"])
@@ -231,13 +265,6 @@ def _available_bytes() -> float:
     except OSError:
         pass
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def authors_widths(widths, dtype: torch.dtype, share: float = 0.6) -> list[int]:
-    """The widths at which the authors' route's model peak memory fits in ``share`` of the available memory."""
-    item = torch.finfo(dtype).bits // 8
-    room = share * _available_bytes()
-    return [m for m in widths if flop_byte_model("authors_vmap", N, m, D, item)["model_peak_bytes"] <= room]
 
 
 def _check_agreement(s: dict, routes: dict) -> None:
@@ -349,11 +376,11 @@ def main(quick: bool = False) -> list:
     for dtype in (torch.float64, torch.float32):
         tag = str(dtype).replace("torch.", "")
         ceilings[tag] = machine_ceilings(N, dtype)
-        widths = [500] if quick else authors_widths((500, 2000, 5000), dtype)
+        widths = [500] if quick else [500, 2000, 5000]
         t1 = _run(f"meanfield_gn_step_vs_authors_{tag}",
-                  {"authors_vmap": authors_vmap, "structured": structured, "chunked_dense": chunked_dense},
-                  [{"n": N, "d": D, "m": w} for w in widths], dtype, "authors_vmap", 2 if quick else 3)
-        summaries.append(summarise(t1, "authors_vmap", ceilings[tag]))
+                  {"authors_gn": authors_gn_route, "structured": structured, "chunked_dense": chunked_dense},
+                  [{"n": N, "d": D, "m": w} for w in widths], dtype, "authors_gn", 2 if quick else 3)
+        summaries.append(summarise(t1, "authors_gn", ceilings[tag]))
         tables += [t1, summaries[-1]]
         if not quick:
             t2 = _run(f"meanfield_gn_step_vs_chunked_{tag}",
@@ -387,7 +414,7 @@ def fault_profile(m: int = 500, dtype: torch.dtype = torch.float64, calls: int =
     faults per call (``resource.getrusage``; Linux/macOS). Not part of the timed report."""
     import resource
     s, rows = problem(N, D, m, dtype), []
-    for name, route in (("authors_vmap", authors_vmap), ("chunked_dense", chunked_dense), ("structured", structured)):
+    for name, route in (("authors_gn", authors_gn_route), ("chunked_dense", chunked_dense), ("structured", structured)):
         route(s)
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         for _ in range(calls):

@@ -155,11 +155,17 @@ def test_meanfield_roofline_model_prices_each_phase_at_its_bound(mf_bench):
     phase counts add up to the route totals (plus the n x n LAPACK work). Nothing is timed."""
     n, m, d = 500, 2000, 10
     ceil = {"gemm": 1e11, "gemm64": 5e10, "bandwidth": 1e10, "eig": 0.015, "chol": 0.002}
-    for route in ("structured", "chunked_dense", "authors_vmap"):
+    for route in ("structured", "chunked_dense"):
         fm = mf_bench.flop_byte_model(route, n, m, d, 8)
         assert fm["flops"] == pytest.approx(sum(f for _, f, _, _ in fm["phases"]) + 9 * n**3 + n**3 / 3)
+    ceil["svd"] = 0.05
+    fa = mf_bench.flop_byte_model("authors_gn", n, m, d, 8)
+    assert fa["flops"] == pytest.approx(sum(f for _, f, _, _ in fa["phases"]) + 22 * n**3)
+    assert any(r == "svd" for *_, r in fa["phases"]) and not any(r in ("eig", "chol") for *_, r in fa["phases"])
+    for route in ("structured", "chunked_dense", "authors_gn"):
+        fm = mf_bench.flop_byte_model(route, n, m, d, 8)
         assert fm["bytes"] == pytest.approx(sum(b for _, _, b, _ in fm["phases"]))
-        want = sum(ceil[r] if r in ("eig", "chol") else max(f / ceil[r], b / ceil["bandwidth"])
+        want = sum(ceil[r] if r in ("eig", "chol", "svd") else max(f / ceil[r], b / ceil["bandwidth"])
                    for _, f, b, r in fm["phases"])
         assert mf_bench.roofline_time(fm["phases"], ceil) == pytest.approx(want)
     s = mf_bench.flop_byte_model("structured", n, m, d, 8)
@@ -195,12 +201,17 @@ def test_meanfield_model_report(mf_bench, tmp_path):
     assert json.loads((tmp_path / "meanfield_gn_step_model.json").read_text())["rows"][0]["baseline"] == "chunked_dense"
 
 
-def test_meanfield_authors_route_runs_where_its_memory_fits(mf_bench, monkeypatch):
-    """The authors' vmapped route holds (n, n, m) intermediates: 3 GB at m = 500 in float64, 12 GB at 2000. The
-    benchmark keeps the widths whose model peak fits in 60 % of the available memory (no allocation here)."""
-    monkeypatch.setattr(mf_bench, "_available_bytes", lambda: 24 * 2.0**30)
-    assert mf_bench.authors_widths((500, 2000, 5000), torch.float64) == [500, 2000]          # 30 GB at 5000
-    assert mf_bench.authors_widths((500, 2000, 5000), torch.float32) == [500, 2000, 5000]    # 15 GB at 5000
-    monkeypatch.setattr(mf_bench, "_available_bytes", lambda: 4 * 2.0**30)
-    assert mf_bench.authors_widths((500, 2000, 5000), torch.float64) == []
-    assert mf_bench.authors_widths((500, 2000, 5000), torch.float32) == [500]
+def test_meanfield_authors_route_chunks_where_its_memory_does_not_fit(mf_bench, monkeypatch):
+    """The authors' route holds (n / pieces, n, m) vmapped intermediates. The benchmark's guard turns a chunk that
+    would not fit in 60 % of the available memory into the exception their doubling rule catches, so the route
+    chunks instead of being skipped; its direction is unchanged (no large allocation here: a tiny problem and a
+    stubbed memory size)."""
+    s = mf_bench.problem(40, 3, 30)
+    ref = mf_bench.structured(s)
+    free = mf_bench._available_bytes
+    # room for a quarter of the rows at a time: 3 * 8 * 10 * 40 * 30 bytes / 0.6
+    monkeypatch.setattr(mf_bench, "_available_bytes", lambda: 3 * 8 * 10 * 40 * 30 / 0.6 + 1)
+    got = mf_bench.authors_gn_route(s)
+    assert s["authors_opt"].pieces == 4
+    assert torch.allclose(got, ref, rtol=1e-8, atol=1e-10 * float(ref.abs().max()))
+    monkeypatch.setattr(mf_bench, "_available_bytes", free)
