@@ -14,8 +14,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import slides  # noqa: E402
 import student  # noqa: E402
 
-SIDECARS = sorted((ROOT / "notebooks" / "student").glob("*.yml"))
-STORED = sorted({*(p.with_suffix(".ipynb") for p in SIDECARS), *(ROOT / "notebooks" / "student").glob("*.ipynb")})
+SIDECARS = sorted(student.SPEC_DIR.glob("*.yml"))
+STORED = sorted({*(student.STUDENT_DIR / f"{p.stem}.ipynb" for p in SIDECARS), *student.STUDENT_DIR.glob("*.ipynb")})
 EXTERNAL = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*?\b(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", re.I)
 CSS_EXTERNAL = re.compile(r"""(?:@import\s+(?:url\()?|url\()\s*["']?\s*(?:https?:)?//""", re.I)
 
@@ -106,7 +106,7 @@ def test_self_check_rejects_wrong_or_missing_answers(value, match):
 
 def test_the_self_check_code_holds_no_reference_value():
     for path in SIDECARS:
-        stored = path.with_suffix(".ipynb")
+        stored = student.STUDENT_DIR / f"{path.stem}.ipynb"
         text = stored.read_text()
         for label, answers in student.stored_refs(stored).items():
             for name, ref in answers.items():
@@ -114,25 +114,31 @@ def test_the_self_check_code_holds_no_reference_value():
 
 
 # ------------------------------------------------------------------------------------------------ student notebooks
+def test_student_folder_ships_only_generated_notebooks():
+    """notebooks/student/ is what students download: the specs (teacher code) live in tools/student_specs/."""
+    shipped = sorted(p.name for p in student.STUDENT_DIR.iterdir() if not p.name.startswith("."))
+    assert shipped and all(name.endswith(".ipynb") for name in shipped), shipped
+    assert SIDECARS, "no student specs found in tools/student_specs/"
+
+
 @pytest.mark.parametrize("stored", STORED, ids=lambda p: p.stem)
 def test_student_notebook_is_stored_and_current(stored):
     """The stored student notebook is what the generator makes from the chapter now (reference hashes aside)."""
-    sidecar = stored.with_suffix(".yml")
-    chapter = ROOT / "notebooks" / f"{sidecar.stem}.ipynb"
+    chapter = ROOT / "notebooks" / f"{stored.stem}.ipynb"
     assert stored.exists(), f"run `make student` to create {stored.name}"
     nb = nbformat.read(chapter, as_version=4)
-    specs = student.load_specs(nb, sidecar.stem)
+    specs = student.load_specs(nb, stored.stem)
     assert set(specs) <= set(student.gated_solutions(nb)), "a spec names an exercise without a gated solution"
     refs = student.stored_refs(stored)
     assert set(refs) == set(specs) and all(set(refs[k]) == set(specs[k]["answers"]) for k in specs)
-    want = student.nbtool.dumps(student.student_notebook(nb, sidecar.stem, specs, refs))
+    want = student.nbtool.dumps(student.student_notebook(nb, stored.stem, specs, refs))
     assert stored.read_text() == want, f"{stored.name} is out of date: run `make student`"
 
 
 @pytest.mark.parametrize("sidecar", SIDECARS, ids=lambda p: p.stem)
 def test_student_notebook_leaves_every_solution_out(sidecar):
     chapter = nbformat.read(ROOT / "notebooks" / f"{sidecar.stem}.ipynb", as_version=4)
-    text = sidecar.with_suffix(".ipynb").read_text()
+    text = (student.STUDENT_DIR / f"{sidecar.stem}.ipynb").read_text()
     specs = student.load_specs(chapter, sidecar.stem)
     for label, idx in student.gated_solutions(chapter).items():
         given = specs.get(label, {}).get("stub", "")  # what the stub hands out on purpose
@@ -151,7 +157,7 @@ def test_stubs_fail_their_self_check_and_the_solution_passes(sidecar):
     from nbclient.exceptions import CellExecutionError
 
     chapter = nbformat.read(ROOT / "notebooks" / f"{sidecar.stem}.ipynb", as_version=4)
-    stud = nbformat.read(sidecar.with_suffix(".ipynb"), as_version=4)
+    stud = nbformat.read(student.STUDENT_DIR / f"{sidecar.stem}.ipynb", as_version=4)
     specs = student.load_specs(chapter, sidecar.stem)
     tagged = lambda tag: [c for c in stud.cells if tag in c.metadata.get("tags", [])]  # noqa: E731
     stubs, checks = tagged("student-stub"), tagged("self-check")

@@ -19,7 +19,8 @@ What a student notebook is (the convention is in ``book/conventions.md``, sectio
 
 The student spec of an exercise (its label → ``needs``, ``answers``, ``stub``) lives in the metadata of the
 solution's first code cell (``metadata.curvlab.student``) or, until the chapters carry it, in the sidecar file
-``notebooks/student/<chapter>.yml``. Exercises without a spec get a bare ``# TODO`` stub and no self-check.
+``tools/student_specs/<chapter>.yml`` — kept out of ``notebooks/student/``, the folder students download, because a
+spec holds the teacher's code (``teacher:``). Exercises without a spec get a bare ``# TODO`` stub and no self-check.
 Reference values must not depend on the profile: the notebooks are generated in the ``quick`` profile and used in
 any. ``tests/test_lecture_kit.py`` runs each spec twice — stub (the self-check must raise ``AssertionError``) and
 the chapter's solution (it must pass) — on the setup cell and the cells the exercise ``needs``.
@@ -45,7 +46,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import nbtool  # noqa: E402
 import slides  # noqa: E402  (the MyST -> Markdown conversion, shared with the decks)
 
-STUDENT_DIR = ROOT / "notebooks" / "student"
+STUDENT_DIR = ROOT / "notebooks" / "student"  # what students download: generated notebooks only
+SPEC_DIR = ROOT / "tools" / "student_specs"  # the sidecar specs (teacher code): never shipped to students
 GATE = re.compile(r"^\s*(`{3,}|:{3,})\{(solution-start|solution-end)\}\s*(\S*)")
 
 # The self-check, written into every student notebook. `_k_hash` is also what the generator hashes with.
@@ -94,9 +96,9 @@ def _helpers() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ specs
-def load_specs(nb: nbformat.NotebookNode, stem: str, student_dir: Path = STUDENT_DIR) -> dict[str, dict[str, Any]]:
+def load_specs(nb: nbformat.NotebookNode, stem: str, spec_dir: Path = SPEC_DIR) -> dict[str, dict[str, Any]]:
     """Student specs by exercise label: the sidecar ``<stem>.yml``, overridden by cell metadata ``curvlab.student``."""
-    sidecar = student_dir / f"{stem}.yml"
+    sidecar = spec_dir / f"{stem}.yml"
     specs = dict((yaml.safe_load(sidecar.read_text()) or {}).get("exercises", {})) if sidecar.exists() else {}
     for label, cells in gated_solutions(nb).items():
         meta = nb.cells[cells[0]].metadata.get("curvlab", {}).get("student") if cells else None
@@ -295,9 +297,9 @@ def student_notebook(nb: nbformat.NotebookNode, stem: str, specs: dict[str, dict
     return nbtool.normalize(json.loads(nbformat.writes(out)))
 
 
-def generate(chapter: Path, student_dir: Path = STUDENT_DIR, profile: str = "quick") -> str:
+def generate(chapter: Path, spec_dir: Path = SPEC_DIR, profile: str = "quick") -> str:
     nb = nbformat.read(chapter, as_version=4)
-    specs = load_specs(nb, chapter.stem, student_dir)
+    specs = load_specs(nb, chapter.stem, spec_dir)
     unknown = set(specs) - set(gated_solutions(nb))
     if unknown:
         raise ValueError(f"{chapter.stem}: student specs for exercises without a gated solution: {sorted(unknown)}")
