@@ -17,6 +17,14 @@ with input dimension d, output dimension d_y, L layers of width m, on n = d whit
 ``gn_conditioning_mnist`` (full run only): the MNIST-sized case d = 784, d_y = 10 (d_y d = 7840), one timed call of
     the reduced route; the dense route (p about 1.8e6) is out of reach.
 
+``gn_conditioning_general`` (the general case: anisotropic inputs, L = 3 and 4, where the dense route runs):
+    ``dense`` (torch.func Jacobian, J^T J / n, eigvalsh of p x p) against ``reduced`` (``gn_condition`` with the
+    sample covariance Sigma_hat: layer factors, then eigvalsh of the d_y d x d_y d reduced matrix). The two-layer
+    whitened case of ``gn_conditioning_routes`` has a closed form (two eigenproblems of sizes d_y and d); here
+    there is none, and the reduced route's own cost is an eigenproblem of size d_y d. ``gn_conditioning_general_model``
+    gives each route's flop model, the model's ratio (the physical bound on the speed-up: both routes end in a
+    symmetric eigensolver, of sizes p and d_y d), and the measured ratio as a fraction of it.
+
 ``gn_conditioning_width_scaling``: the reduced route's cost against the width m at d = 8, d_y = 4, L = 4 (so that
     (d_y d)^3 is negligible): L m^2 (d + d_y), exponent 2.
 
@@ -135,6 +143,89 @@ def scaling_sizes(quick: bool) -> list[dict]:
     return sizes
 
 
+def general_sizes(quick: bool) -> list[dict]:
+    """(d, d_y, L, m) with anisotropic inputs, p about 4e3 (the dense route's reach) at d_y d = 160, 320, 640."""
+    sizes = [dict(d=16, d_y=10, L=3, m=52),      # d_y d = 160, p = 4056
+             dict(d=32, d_y=10, L=3, m=45),      # d_y d = 320, p = 3915
+             dict(d=64, d_y=10, L=3, m=37),      # d_y d = 640, p = 4107
+             dict(d=64, d_y=10, L=4, m=30)]      # d_y d = 640, p = 4020
+    return sizes[:1] if quick else sizes
+
+
+def problem_general(d: int, d_y: int, L: int, m: int, seed: int = 0, kappa_sigma: float = 10.0) -> dict:
+    """Weights and n = 2d anisotropic samples (population covariance with condition number ``kappa_sigma``)."""
+    dev = config.device()
+    gen = torch.Generator().manual_seed(seed)
+    Ws = [W.to(dev) for W in dl.init_weights(d, [m] * (L - 1), d_y, generator=gen)]
+    n = 2 * d
+    scales = torch.logspace(0, math.log10(kappa_sigma) / 2, d, dtype=torch.float64)
+    X = (torch.randn(n, d, generator=gen, dtype=torch.float64) * scales).to(dev)
+    return {"Ws": Ws, "X": X, "Sigma_hat": X.T @ X / n, "rank": dl.rank_gn(d, [m] * (L - 1), d_y), "d": d,
+            "d_y": d_y, "L": L, "m": m, "n": n, "p": sum(W.numel() for W in Ws),
+            "fn": dl.flat_model(X, [tuple(W.shape) for W in Ws]), "theta": dl.theta_of(Ws)}
+
+
+def kappa_dense_general(s: dict) -> float:
+    J = cv.jacobian(s["fn"], s["theta"])
+    lam = torch.linalg.eigvalsh(J.T @ J / s["n"]).flip(0)
+    return _keep(s, "dense", float(lam[0] / lam[s["rank"] - 1]))
+
+
+def kappa_reduced_general(s: dict) -> float:
+    return _keep(s, "reduced", float(dl.gn_condition(s["Ws"], s["Sigma_hat"], rank=s["rank"]).kappa))
+
+
+GENERAL = {"dense": kappa_dense_general, "reduced": kappa_reduced_general}
+GENERAL_STATES: list[dict] = []
+
+
+def general_flops(route: str, d: int, d_y: int, L: int, m: int, n: int) -> float:
+    """Leading-order flops of one kappa evaluation. ``dense``: n d_y VJPs of the network (about 4 flops per
+    parameter each: forward and backward through every layer), J^T J (2 n d_y p^2) and a values-only symmetric
+    eigensolver of size p (4/3 p^3 for the tridiagonal reduction, which dominates). ``reduced``: the layer factors
+    (QR-accumulated products, about 4 L m^2 (d + d_y)), forming the d_y d x d_y d reduced matrix from L Kronecker
+    terms (about 2 L (d_y d)^2) and a values-only eigensolver of size d_y d (4/3 (d_y d)^3)."""
+    p = d * m + (L - 2) * m * m + m * d_y
+    D = d * d_y
+    if route == "dense":
+        return n * d_y * 4.0 * p + 2.0 * n * d_y * p * p + 4.0 / 3.0 * p ** 3
+    return 4.0 * L * m * m * (d + d_y) + 2.0 * L * D * D + 4.0 / 3.0 * D ** 3
+
+
+def _general_model(table: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for s in GENERAL_STATES:
+        size = f"d={s['d']}, d_y={s['d_y']}, L={s['L']}, m={s['m']}"
+        g = table[table["size"] == size]
+        if g.empty:
+            continue
+        red = g[g.variant == "reduced"].iloc[0]
+        fd = general_flops("dense", s["d"], s["d_y"], s["L"], s["m"], s["n"])
+        fr = general_flops("reduced", s["d"], s["d_y"], s["L"], s["m"], s["n"])
+        measured = 1.0 / red.ratio
+        rows.append({"size": size, "d_y d": s["d"] * s["d_y"], "p": s["p"], "flops dense": fd, "flops reduced": fr,
+                     "model ratio (bound)": fd / fr, "measured ratio": measured,
+                     "measured / model": measured / (fd / fr),
+                     "rel. diff kappa": abs(s["results"]["dense"] - s["results"]["reduced"]) / s["results"]["reduced"]})
+    return pd.DataFrame(rows)
+
+
+def _write_general(model: pd.DataFrame, quick: bool) -> None:
+    md = ["**The general case** (`gn_conditioning_general`, " + ("quick" if quick else "full") + " run): anisotropic "
+          "inputs (n = 2d samples, κ(Σ) = 10), no closed form. Flop models as in `bench_gn_conditioning.general_flops`; "
+          "the model ratio is the physical bound on the speed-up, since both routes end in a symmetric eigensolver "
+          "(of size p and of size d_y d).", "", model.to_markdown(index=False, floatfmt=".3g"), ""]
+    (RESULTS_DIR / "gn_conditioning_general_model.md").write_text("\n".join(md))
+    (RESULTS_DIR / "gn_conditioning_general_model.json").write_text(
+        json.dumps({"rows": json.loads(model.to_json(orient="records"))}, indent=1) + "\n")
+
+
+def _setup_general(d, d_y, L, m):
+    s = problem_general(d, d_y, L, m)
+    GENERAL_STATES.append(s)
+    return s
+
+
 MNIST_SIZE = dict(d=784, d_y=10, L=3, m=1000)      # d_y d = 7840: an eigenvalue problem of size 7840, timed once
 
 
@@ -210,7 +301,12 @@ def main(quick: bool = False) -> list:
                       repeats=repeats + 1, warmup=1, baseline="reduced_naive", memory=not quick)
     agree, fit = _agreement(), _complexity_fit(scaling)
     _write_agreement(agree, fit, quick)
-    tables = [ratio_table(routes), ratio_table(scaling), agree, fit]
+    GENERAL_STATES.clear()
+    general = ratio_table(compare("gn_conditioning_general", GENERAL, general_sizes(quick), setup=_setup_general,
+                                  repeats=repeats + 2, warmup=1, baseline="dense", memory=not quick, min_time=0.05))
+    gmodel = _general_model(general)
+    _write_general(gmodel, quick)
+    tables = [ratio_table(routes), ratio_table(scaling), agree, fit, general, gmodel]
     if not quick:   # the MNIST-sized case: minutes on two cores, one timed call, reported as measured
         mnist = compare("gn_conditioning_mnist", {"reduced": kappa_reduced}, [MNIST_SIZE],
                         setup=lambda **kw: problem(**kw, dense=False), repeats=1, warmup=0, memory=False)

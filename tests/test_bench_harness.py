@@ -215,3 +215,20 @@ def test_meanfield_authors_route_chunks_where_its_memory_does_not_fit(mf_bench, 
     assert s["authors_opt"].pieces == 4
     assert torch.allclose(got, ref, rtol=1e-8, atol=1e-10 * float(ref.abs().max()))
     monkeypatch.setattr(mf_bench, "_available_bytes", free)
+
+
+def test_gn_conditioning_general_case_routes_agree_and_model_counts():
+    """The general-case benchmark (anisotropic inputs, L = 3 and 4): the dense and reduced routes give the same kappa,
+    and the flop model's bound is dominated by the two eigensolvers (p^3 against (d_y d)^3). Nothing is timed."""
+    import sys
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("curvlab_bench_gnc", BENCH / "bench_gn_conditioning.py")
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    for L, m in ((3, 8), (4, 7)):
+        s = b.problem_general(6, 3, L, m)
+        assert abs(b.kappa_dense_general(s) / b.kappa_reduced_general(s) - 1) < 1e-9
+    p, D = 64 * 37 + 37 * 37 + 37 * 10, 640
+    fd, fr = b.general_flops("dense", 64, 10, 3, 37, 128), b.general_flops("reduced", 64, 10, 3, 37, 128)
+    assert fd > 4 / 3 * p**3 and fr > 4 / 3 * D**3
+    assert 100 < fd / fr < 1000        # the physical bound at d_y d = 640 is a few hundred, not 1000
