@@ -289,3 +289,109 @@ def test_module_data_comments_are_not_read_as_types():
             if first and ":" in text.split("`")[0]:
                 bad.append(f"{path.name}:{i + 1}: {line.strip()}")
     assert not bad, bad
+
+
+# --------------------------------------------------------------------------------------------------------
+# Units of dampings and step sizes (book/notation.md, section "notation-units"): one convention, machine-read
+# --------------------------------------------------------------------------------------------------------
+UNITS_START, UNITS_END = "<!-- curvlab-units-table", "<!-- /curvlab-units-table -->"
+_SPACING = re.compile(r"\\[,;:!]|\\quad|\\qquad|\\left|\\right|\\big[lr]?|\\Big[lr]?|\s+")
+_SYNONYMS = {r"\lambda_{\mathrm{GN}}": r"\lamGN", r"\lambda_\mathrm{GN}": r"\lamGN", r"\lambda_{\rm GN}": r"\lamGN",
+             r"\mathcal{I}": r"\Fisher", r"H_{\mathrm{GN}}": r"\GN"}
+
+
+def units_table(text: str) -> dict[str, dict[str, str]]:
+    """``{latex symbol: {matrix: factor}}`` from the marked table of the notation page."""
+    if UNITS_START not in text or UNITS_END not in text:
+        raise AssertionError("the notation page has no machine-readable units table")
+    block = text.split(UNITS_START, 1)[1].split(UNITS_END, 1)[0]
+    table: dict[str, dict[str, str]] = {}
+    for line in block.splitlines():
+        cols = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cols) < 3 or not cols[1].startswith("`"):
+            continue
+        sym = cols[1].strip("`")
+        pairs = [p.rsplit(":", 1) for p in cols[2].strip("`").split(";") if p.strip()]
+        table[sym] = {_norm(m): f.strip() for m, f in pairs}
+    return table
+
+
+def _norm(tex: str) -> str:
+    for a, b in _SYNONYMS.items():
+        tex = tex.replace(a, b)
+    return _SPACING.sub("", tex)
+
+
+def _factor(coef: str) -> str:
+    coef = coef.strip("{}()")
+    return coef or "1"
+
+
+def unit_violations(text: str, table: dict[str, dict[str, str]]) -> list[str]:
+    """Every place where a damping or step symbol sits next to a matrix with a factor other than the table's.
+
+    Three forms are read: ``M + c·sym`` (a damping added to ``M``), ``c·sym = max(…, λ_min(M))`` or
+    ``c·sym = λ_min(M)`` (a damping set from ``M``'s spectrum), and ``sym·c·M`` (a step multiplying the direction
+    ``M``; a factor ``1/n`` requires ``/n`` right after ``M``). ``c`` is the text between them (``n`` or nothing).
+    """
+    t = _norm(text)
+    found = []
+    for sym, mats in table.items():
+        s = re.escape(sym)
+        for mat, want in mats.items():
+            m = re.escape(mat)
+            lead = r"(?<![A-Za-z\\])" if mat[0].isalpha() else ""
+            tail = r"(?![A-Za-z_])" if re.search(r"[A-Za-z]$", mat) else ""
+            for hit in re.finditer(lead + m + tail + r"\+(?P<c>[A-Za-z0-9{}()]{0,4}?)" + s, t):
+                if _factor(hit["c"]) != want and want != "1/n":
+                    found.append(f"`{hit.group(0)}`: {sym} is added to {mat} with factor {want}")
+            for hit in re.finditer(r"(?P<c>(?<![A-Za-z\\])[A-Za-z0-9]{0,2}?)" + s + r"=(?:\\max\([^,()]*,)?\\lmin\("
+                                   + m + r"\)", t):
+                if _factor(hit["c"]) != want and want != "1/n":
+                    found.append(f"`{hit.group(0)}`: {sym} set from the spectrum of {mat} needs factor {want}")
+            for hit in re.finditer(s + r"(?P<c>[0-9n]{0,2}?)" + m + tail + r"(?P<after>/\(?n?)?", t):
+                if want == "1/n":
+                    if hit["c"] or hit["after"] not in ("/n", "/(n"):
+                        found.append(f"`{hit.group(0)}`: {sym} multiplies {mat}, which must be divided by n")
+                elif hit["c"] and _factor(hit["c"]) != want:
+                    found.append(f"`{hit.group(0)}`: {sym} multiplies {mat} with factor {want}")
+    return found
+
+
+NOTATION = ROOT / "book" / "notation.md"
+
+
+def test_units_table_is_read():
+    table = units_table(NOTATION.read_text())
+    assert table[r"\lamGN"][r"\GN"] == "1" and table[r"\lamGN"]["K"] == "n"
+    assert table[r"\eta"]["J^\\topr"] == "1/n"
+
+
+def test_unit_scan_catches_a_wrong_chapter_text():
+    table = units_table(NOTATION.read_text())
+    good = (r"$\Delta_{\mathrm{GN}}=(\GN+\lamGN I)^{-1}\nabla\Loss=J^\top(K+n\lamGN I)^{-1}r$, the rate "
+            r"$s_i/(s_i+n\lamGN)$, $n\lamGN=\max(10^{-7},\lmin(K))$, the GD step $\eta\,J^\top r/n$, "
+            r"$(\Fisher + \lambda_{\mathrm{GN}} I)^{-1}$, $(\hat\Sigma+\lambda_GI)^{-1}$, $A^\top\Fisher A+\lamGN I$")
+    assert unit_violations(good, table) == []
+    wrong = [r"$\Delta_{\mathrm{GN}}=J^\top(K + \lamGN I)^{-1}r$",               # kernel form without the n
+             r"$(J^\top J+\lambda_{\mathrm{GN}} I_p)^{-1}J^\top r$",               # summed JᵀJ without the n
+             r"$(\GN+n\lamGN I)^{-1}\nabla\Loss$",                                 # averaged GN with an n
+             r"the authors' damping $\lamGN=\max(10^{-7},\lmin(K))$",              # kernel-unit rule, no n
+             r"$(X^\top X+\lambda_G I)^{-1}X^\top Y$",                             # ridge on the summed Gram
+             r"the GD step $\theta-\eta\,J^\top r$"]                               # summed gradient
+    for text in wrong:
+        assert unit_violations(text, table), f"not caught: {text}"
+
+
+#: Chapters whose owners are converting them to the convention (issue 17, item 4); remove an entry once it passes.
+UNITS_PENDING = {"21_meanfield_hidden_learning.ipynb": "kernel-unit damping K+lamGN, lamGN=max(1e-7, lmin(K)) (issue 17)"}
+
+
+@pytest.mark.parametrize("name,text", [pytest.param(n, t, id=n, marks=[pytest.mark.xfail(reason=UNITS_PENDING[n], strict=False)]
+                                                    if n in UNITS_PENDING else []) for n, t in documents()])
+def test_dampings_and_steps_follow_the_notation_table(name, text):
+    table = units_table(NOTATION.read_text())
+    if name == "notation.md":
+        text = text.split(UNITS_START, 1)[0] + text.split(UNITS_END, 1)[1]
+    bad = unit_violations(text, table)
+    assert not bad, f"{name}: dampings/steps disagree with the units table of book/notation.md: {bad}"
