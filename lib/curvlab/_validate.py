@@ -163,3 +163,13 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
     return value
+
+
+def check_int_sequence(name: str, value: Any, *, min_value: int | None = None) -> list[int]:
+    """A list (or tuple) of integers, each ``>= min_value`` when given; a bare number or a string is refused with
+    a :class:`TypeError` that names ``name`` and says a sequence was expected."""
+    if isinstance(value, (str, bytes)) or isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of integers (e.g. [{value!r}] for a single entry), got "
+                        f"{type(value).__name__}" if isinstance(value, int) and not isinstance(value, bool)
+                        else f"{name} must be a list of integers, got {type(value).__name__}")
+    return [check_int(f"{name}[{i}]", v, min_value=min_value) for i, v in enumerate(value)]

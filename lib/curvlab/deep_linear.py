@@ -48,10 +48,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import config
-from ._validate import (as_tensor, check_choice, check_finite, check_int, check_matrix, check_nonnegative,
-                        check_positive)
-from .linalg import default_rtol, kron, lanczos_extremes_operator, psd_sqrt
+from . import config, linalg
+from ._validate import (as_tensor, check_choice, check_finite, check_int, check_int_sequence, check_matrix,
+                        check_nonnegative, check_positive)
+from .linalg import _psd_sqrt, default_rtol, kron, lanczos_extremes_operator
 
 __all__ = [
     "init_weights",
@@ -166,7 +166,7 @@ def _sigma_root(Sigma_hat, d: int, like: torch.Tensor) -> torch.Tensor | None:
     S = check_matrix("Sigma_hat", Sigma_hat, square=True, batch=True)
     if S.shape[-1] != d:
         raise ValueError(f"Sigma_hat must be d x d = {d} x {d} (the input dimension of W_1), got {tuple(S.shape)}")
-    return config.spectral(psd_sqrt(config.spectral(S))).to(like.device)
+    return config.spectral(_psd_sqrt("Sigma_hat", config.spectral(S))).to(like.device)
 
 
 def _sigma_extremes(Sigma_hat, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,12 +195,10 @@ def init_weights(d: int, widths: Sequence[int], d_y: int, *, scheme: str = "lecu
     seed). Chapter 31 uses a small ``scale`` with residual networks.
     """
     d, d_y = check_int("d", d, min_value=1), check_int("d_y", d_y, min_value=1)
-    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
-        raise TypeError(f"widths must be a list of hidden widths, got {type(widths).__name__}")
-    widths = [check_int("widths", m, min_value=1) for m in widths]
+    widths = check_int_sequence("widths", widths, min_value=1)
     scheme = check_choice("scheme", scheme, ("lecun", "kaiming", "orthogonal"))
     scale = check_positive("scale", scale)
-    batch = tuple(check_int("batch", b, min_value=1) for b in batch)
+    batch = tuple(check_int_sequence("batch", batch, min_value=1))
     dims = [d, *widths, d_y]
     Ws = []
     for fan_in, fan_out in zip(dims[:-1], dims[1:]):
@@ -278,7 +276,7 @@ def rank_gn(d: int, widths: Sequence[int], d_y: int) -> int:
     r"""Rank of the GN matrix of a deep linear network (full-rank :math:`\hat\Sigma`, generic weights):
     :math:`q(d + d_y - q)`, :math:`q = \min(d, d_y, m_1, \dots, m_{L-1})` (Singh et al. 2021; chapter 30)."""
     d, d_y = check_int("d", d, min_value=1), check_int("d_y", d_y, min_value=1)
-    q = min([d, d_y, *[check_int("widths", m, min_value=1) for m in widths]])
+    q = min([d, d_y, *check_int_sequence("widths", widths, min_value=1)])
     return q * (d + d_y - q)
 
 
@@ -492,7 +490,11 @@ def gn_condition(Ws, Sigma_hat=None, skip_scale: float = 0.0, gains=None, *, met
     if rank is None:
         s = d
         if Sigma_hat is not None:
-            lam = torch.linalg.eigvalsh(config.spectral(check_matrix("Sigma_hat", Sigma_hat, batch=True)))
+            S = check_matrix("Sigma_hat", Sigma_hat, square=True, batch=True)
+            if S.shape[-1] != d:
+                raise ValueError(f"Sigma_hat must be d x d = {d} x {d} (the input dimension of W_1), got "
+                                 f"{tuple(S.shape)}")
+            lam = linalg._psd_eigh("Sigma_hat", S)[1]
             s = int((lam > default_rtol(d) * lam[..., -1:]).sum(dim=-1).min())
         rank = rank_gn(s, widths, d_y)
     return condition(spectrum_reduced(Ws, Sigma_hat, skip_scale, gains, method=method), rank=rank)
@@ -558,7 +560,9 @@ def nested_networks(d: int, m: int, d_y: int, depths: Sequence[int], *, batch: S
     one output layer (``d_y x m``) and the first :math:`L-2` of a common stack of ``m x m`` hidden layers, all
     LeCun-initialised. Nesting makes :math:`\log\kappa(L)` of one seed a path in :math:`L`, so slopes in depth
     are estimated with far less noise than from independent networks."""
-    depths = [check_int("depths", L, min_value=2) for L in depths]
+    depths = check_int_sequence("depths", depths, min_value=2)
+    if not depths:
+        raise ValueError("depths must name at least one depth L >= 2")
     W_in, W_out = init_weights(d, [m], d_y, batch=batch, generator=generator)
     mids = init_weights(m, [m] * (max(depths) - 3), m, batch=batch, generator=generator) if max(depths) > 2 else []
     return {L: [W_in, *mids[: L - 2], W_out] for L in depths}

@@ -98,7 +98,12 @@ def psd_sqrt(A) -> torch.Tensor:
 
     Computed in float64 through :func:`sym_eigh`, returned in ``A``'s dtype and device. Batched ``(..., n, n)``.
     """
-    A, lam, Q = _psd_eigh("A", A)
+    return _psd_sqrt("A", A)
+
+
+def _psd_sqrt(name: str, A) -> torch.Tensor:
+    """:func:`psd_sqrt` with error messages naming the caller's argument ``name`` (e.g. ``"Sigma_hat"``)."""
+    A, lam, Q = _psd_eigh(name, A)
     root = (Q * lam.sqrt().unsqueeze(-2)) @ Q.transpose(-2, -1)
     return root.to(dtype=A.dtype, device=A.device)
 

@@ -532,19 +532,56 @@ def amgd_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dic
     return _finish(state, F, G, Sxx, Syx, hp)
 
 
+#: Methods whose G-step right-multiplies by :math:`(\hat\Sigma + \lambda_G I_d)^{-1}`: with ``lam_G = 0`` they need
+#: a batch of at least ``d`` samples (:func:`_check_run`, :func:`_whitened`).
+INPUT_WHITENED = ("K-FAC", "DFW")
+
+
+def _undamped_singular_message(method: str, n: int | None, d: int) -> str:
+    size = f"a batch of n = {n} < d = {d} samples" if n is not None else "this batch"
+    return (f"{method} with lam_G = 0 needs an invertible input covariance Sigma_hat, but {size} gives a singular "
+            f"one (rank <= n): the undamped step amplifies rounding errors without bound and diverges. Pass "
+            f"lam_G > 0 (the lam_G -> 0+ limit of the damped step is the pseudo-inverse step, which converges), "
+            f"or use batch_size >= d")
+
+
+def _whitened(method: str, grad: torch.Tensor, Sxx: torch.Tensor, batch: dict, hp: dict) -> torch.Tensor:
+    r""":math:`\nabla(\hat\Sigma + \lambda_G I)^{-1}`; ``lam_G = 0`` with a rank-deficient batch is refused
+    (ValueError naming ``lam_G``): a batch ``X`` of ``n < d`` rows, or a solve that finds ``Sxx`` singular."""
+    d = Sxx.shape[-1]
+    if hp["lam_G"] == 0:
+        X = batch.get("X") if isinstance(batch, dict) else None
+        if isinstance(X, torch.Tensor) and X.shape[-2] < d:
+            raise ValueError(_undamped_singular_message(method, X.shape[-2], d))
+    C_in = Sxx + hp["lam_G"] * _eye(d, Sxx)
+    try:
+        return _right_solve(grad, C_in)
+    except torch.linalg.LinAlgError as exc:
+        if hp["lam_G"] == 0:
+            raise ValueError(_undamped_singular_message(method, None, d)) from exc
+        raise
+
+
 def kfac_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict) -> LinRepState:
     r"""Stylised K-FAC (the paper's main algorithm): with :math:`F_t` the least-squares head (default
     ``'refit_same'``),
 
     .. math:: G_{t+1} = G_t - \eta_G\,(F_t^\top F_t + \lambda_F I_k)^{-1}\,\nabla_G\mathcal{L}(F_t, G_t)\,
               (\hat\Sigma + \lambda_G I_d)^{-1}.
+
+    **Undamped and rank-deficient.** With ``lam_G = 0`` a batch of :math:`n < d` samples has a singular
+    :math:`\hat\Sigma` and the step does not exist; it is refused with a ValueError naming ``lam_G`` (up front in
+    :func:`run` from ``batch_size``; here from a batch ``X`` of ``n < d`` rows or a failed solve). The rows of
+    :math:`\nabla_G\mathcal{L}` lie in the range of :math:`\hat\Sigma`, so the :math:`\lambda_G\to0^+` limit of
+    the damped step exists — it is the pseudo-inverse step — but the undamped solve in floating point divides
+    rounding errors by :math:`\lambda_{\min}(\hat\Sigma)\approx 0` and diverged in the case that was reported
+    (risk 28.8); a small ``lam_G`` (``1e-3`` at :math:`n = d/2`) follows the limit and converges.
     """
     hp = _hp(hp, "K-FAC")
     Sxx, Syx = batch_moments(batch)
     F = _head_for_step(state, batch, hp, (Sxx, Syx))
     C_out = F.transpose(-2, -1) @ F + hp["lam_F"] * _eye(F.shape[-1], F)
-    C_in = Sxx + hp["lam_G"] * _eye(Sxx.shape[-1], Sxx)
-    step = torch.linalg.solve(C_out, _right_solve(grad_G(F, state.G, Sxx, Syx), C_in))
+    step = torch.linalg.solve(C_out, _whitened("K-FAC", grad_G(F, state.G, Sxx, Syx), Sxx, batch, hp))
     return _finish(state, F, state.G - hp["eta_G"] * step, Sxx, Syx, hp)
 
 
@@ -554,12 +591,13 @@ def dfw_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict
     the right only,
 
     .. math:: G_{t+1} = G_t - \eta_G\,\nabla_G\mathcal{L}(F_t, G_t)\,(\hat\Sigma + \lambda_G I_d)^{-1}.
+
+    ``lam_G = 0`` with fewer than :math:`d` samples per batch is refused, as for :func:`kfac_update`.
     """
     hp = _hp(hp, "DFW")
     Sxx, Syx = batch_moments(batch)
     F = _head_for_step(state, batch, hp, (Sxx, Syx))
-    C_in = Sxx + hp["lam_G"] * _eye(Sxx.shape[-1], Sxx)
-    step = _right_solve(grad_G(F, state.G, Sxx, Syx), C_in)
+    step = _whitened("DFW", grad_G(F, state.G, Sxx, Syx), Sxx, batch, hp)
     if hp.get("normalize_step", False):
         scale = hp["eta_G"] / torch.linalg.matrix_norm(F, ord=2).square()[..., None, None]  # (S,1,1) or float
     else:
@@ -779,7 +817,11 @@ def fitted_rate(trace, steps, *, window: tuple[float, float] = (1e-10, 1e-2), mi
     ``t >= min_step`` (above the floating-point floor, past the transient). Returns ``(rate, se, drift)``, each
     ``(S,)``: :math:`\rho = e^{\text{slope}}`; its standard error by the delta method from the regression's
     residuals; and ``drift``, :math:`|\rho_{\text{first half}} - \rho_{\text{second half}}|` of the window, which
-    measures how far the trace still is from a pure geometric tail. Seeds with fewer than 6 points give NaN."""
+    measures how far the trace still is from a pure geometric tail.
+
+    A seed with fewer than 6 points in the window raises a ValueError naming ``window`` and ``min_step`` (and the
+    seed), like every other rate fitter of curvlab (:func:`curvlab.synthesis.tail_rate`,
+    :func:`curvlab.synthesis.mode_rate`): a rate is never returned as NaN."""
     D = as_tensor("trace", trace, dtype=torch.float64).cpu()
     st = as_tensor("steps", steps, dtype=torch.float64).cpu()
     if D.dim() == 1:
@@ -787,7 +829,13 @@ def fitted_rate(trace, steps, *, window: tuple[float, float] = (1e-10, 1e-2), mi
     st = st.reshape(-1)[-D.shape[-1]:] if st.dim() == 1 else st[0]
     if st.numel() != D.shape[-1]:
         raise ValueError(f"steps must have {D.shape[-1]} entries to match trace, got {tuple(st.shape)}")
+    if isinstance(window, (str, bytes)) or not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (low, high) of positive numbers, got {window!r}")
     lo, hi = (check_positive("window", w) for w in window)
+    if lo >= hi:
+        raise ValueError(f"window must satisfy low < high, got {tuple(window)}")
+    min_step = check_int("min_step", min_step)
+    check_finite("steps", st)
     rates, ses, drifts = [], [], []
 
     def fit(t, y):
@@ -801,8 +849,9 @@ def fitted_rate(trace, steps, *, window: tuple[float, float] = (1e-10, 1e-2), mi
         m = (D[s] > lo) & (D[s] < hi) & (st >= min_step)
         t, y = st[m], D[s][m].log()
         if t.numel() < 6:
-            rates.append(math.nan), ses.append(math.nan), drifts.append(math.nan)
-            continue
+            raise ValueError(f"trace: seed {s} has {t.numel()} point(s) with window[0] < D_t < window[1] "
+                             f"(window={tuple(window)}) and step >= min_step={min_step}; a rate needs at least 6 "
+                             "(widen the window, lower min_step or run longer)")
         slope, se = fit(t, y)
         h = t.numel() // 2
         s1, _ = fit(t[:h], y[:h])
@@ -841,7 +890,14 @@ def _check_run(method: str, problem: Any, n_steps: Any, batch_size: Any, hp: Any
     if batch_size is not None:
         batch_size = check_int("batch_size", batch_size, min_value=1)
     record_every = check_int("record_every", record_every, min_value=1)
-    _hp(hp, method)                                         # validate once, up front
+    checked = _hp(hp, method)                               # validate once, up front
+    if batch_size is not None and batch_size < problem.d and method in INPUT_WHITENED and checked["lam_G"] == 0:
+        raise ValueError(_undamped_singular_message(method, batch_size, problem.d))
+    if (batch_size is not None and batch_size < problem.k and checked["lam_head"] == 0
+            and checked["f_variant"] in ("refit_same", "refit_independent")):
+        raise ValueError(f"the least-squares head (f_variant={checked['f_variant']!r}) with lam_head = 0 needs "
+                         f"batch_size >= k = {problem.k} (G Sigma_hat G^T is singular otherwise), got "
+                         f"batch_size={batch_size}; pass lam_head > 0 or a larger batch")
     return n_steps, batch_size, record_every
 
 
