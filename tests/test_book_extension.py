@@ -84,3 +84,32 @@ def test_ledger_rows_keep_claims_and_derived_apart():
     assert derived[1]["why"] == "exact simplification" and derived[1]["tolerance"] == "exact"
     html = curvlab_book.ledger_html(derived)
     assert html.count("<tr>") == 3 and "<strong>d</strong>" in html
+
+
+def _derived(name, **kw):
+    base = {"kind": "derived", "name": name, "source": "here", "status": "passed", "tolerance": 0.0123, "effect": 1.0,
+            "underpowered": False, "error": 0.001, "foil_error": 1.0, "predicted_scale": 1.0, "identical": False,
+            "tolerance_parts": [{"kind": "replicates", "value": 0.0123, "why": "spread", "from_prediction": False}]}
+    return {**base, **kw}
+
+
+def test_ledger_shows_what_each_derived_check_compares_and_how_it_counts():
+    records = {
+        "ch": [
+            _derived("mc", compares="Monte Carlo vs closed form", evidence="evidence"),
+            _derived("same", compares="library vs same library", evidence="consistency"),
+            _derived("bare"),
+            _derived("self", compares="run vs law", evidence="evidence",
+                     tolerance_parts=[{"kind": "deviation", "value": 0.01, "why": "other decade", "from_prediction": True}]),
+            {"kind": "claim", "name": "c", "source": "paper", "status": "inconclusive", "tolerance": 0.1},
+        ]
+    }
+    rows = curvlab_book.ledger_rows(records, ("derived", "bound", "identity"))
+    assert [r["evidence"] for r in rows] == ["evidence", "consistency", "unclassified",
+                                             "not evidence: tolerance from prediction"]
+    html = curvlab_book.ledger_html(rows)
+    assert "<th>compares</th>" in html and "Monte Carlo vs closed form" in html
+    assert "curvlab-evidence-not-evidence" in html
+    header, table = curvlab_book.evidence_summary_rows(records)
+    assert header[1] == "derived: evidence"
+    assert table[0] == ["ch", "1", "1", "1", "1", "0", "0", "1"] and table[-1][0] == "all chapters"

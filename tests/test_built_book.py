@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -21,10 +23,46 @@ def executed_notebooks() -> list[Path]:
     return sorted(caches[-1].glob("executed/*/base.ipynb")) if caches else []
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
-pytestmark = [
-    pytest.mark.built,
-    pytest.mark.skipif(not (HTML / "book" / "index.html").exists(), reason="the book has not been built"),
-]
+#: Set to a ledger directory (e.g. one filled by single chapters run with ``CURVLAB_LEDGER_DIR``) to run the
+#: evidence lint on those records without a book build.
+LINT_DIR_ENV = "CURVLAB_LINT_LEDGER_DIR"
+
+pytestmark = [pytest.mark.built]
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_built_book(request):
+    if request.node.name.startswith("test_evidence_lint") and os.environ.get(LINT_DIR_ENV):
+        return
+    if not (HTML / "book" / "index.html").exists():
+        pytest.skip("the book has not been built")
+
+
+def ledger_records() -> dict[str, list[dict]]:
+    """The check records of the executed chapters: the ledger directory of the quick build that rendered the pages
+    (the one keyed on the current library; else the newest), or ``$CURVLAB_LINT_LEDGER_DIR``."""
+    if os.environ.get(LINT_DIR_ENV):
+        d = Path(os.environ[LINT_DIR_ENV])
+    else:
+        sys.path.insert(0, str(ROOT / "book" / "_ext"))
+        import curvlab_book
+
+        d = curvlab_book.ledger_dir("quick", curvlab_book.library_key("quick"))
+        if not d.is_dir():
+            dirs = sorted((ROOT / "_build" / "ledger").glob("quick-*"), key=lambda p: p.stat().st_mtime)
+            d = dirs[-1] if dirs else d
+    return {f.stem: json.loads(f.read_text()) for f in sorted(d.glob("*.json"))}
+
+
+def test_evidence_lint_over_the_executed_chapters():
+    """Every derived check of the build says what it compares, and none is self-calibrated, unable to tell its
+    prediction from its foil, or one computation shown as evidence (:func:`curvlab.checks.lint`)."""
+    from curvlab import checks
+
+    records = ledger_records()
+    assert records, "no check records found for the built book"
+    findings = checks.lint(records)
+    assert not findings, f"{len(findings)} derived checks are not evidence:\n" + "\n".join(map(str, findings))
 
 
 class _Images(HTMLParser):

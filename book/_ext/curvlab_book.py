@@ -279,9 +279,34 @@ _ICONS = {"passed": "✔", "reproduced": "✔", "failed": "✘", "not reproduced
           "rejected as intended": "⊘"}
 
 
+def _lint_index(records: dict[str, list[dict[str, Any]]]) -> dict[tuple[str, str], list[str]]:
+    """``{(chapter, check name): [lint rules it breaks]}`` (:func:`curvlab.checks.lint`)."""
+    from curvlab.checks import lint
+
+    out: dict[tuple[str, str], list[str]] = {}
+    for chapter, recs in records.items():
+        for f in lint([{**r, "chapter": chapter} for r in recs]):
+            out.setdefault((chapter, f.name), []).append(f.rule)
+    return out
+
+
+def evidence_class(r: dict[str, Any], lint_rules: list[str] | None = None) -> str:
+    """How the ledger counts a derived check: evidence, consistency, unclassified, or not evidence (lint rules)."""
+    if r.get("kind") == "claim":
+        return ""
+    ev = r.get("evidence", "")
+    broken = [x for x in (lint_rules or []) if x != "unclassified"]
+    if ev not in ("evidence", "consistency"):
+        return "unclassified"
+    if ev == "evidence" and broken:
+        return "not evidence: " + ", ".join(broken)
+    return ev
+
+
 def ledger_rows(records: dict[str, list[dict[str, Any]]], kinds: tuple[str, ...]) -> list[dict[str, str]]:
     """One dict per check of the given kinds: the cells of the ledger table, as plain text."""
     rows = []
+    linted = _lint_index(records) if any(k != "claim" for k in kinds) else {}
     for chapter, recs in records.items():
         for r in recs:
             if r["kind"] not in kinds:
@@ -295,8 +320,25 @@ def ledger_rows(records: dict[str, list[dict[str, Any]]], kinds: tuple[str, ...]
             rows.append({"status": status, "icon": _ICONS.get(r["status"], ""), "check": r["name"], "where": where,
                          "statistic": r.get("statistic", ""), "measured": r.get("measured", ""),
                          "prediction": r.get("predicted", ""), "tolerance": tol, "why": why,
-                         "foil": r.get("foil", ""), "effect": effect, "note": r.get("note", "")})
+                         "foil": r.get("foil", ""), "effect": effect, "note": r.get("note", ""),
+                         "compares": r.get("compares", ""),
+                         "evidence": evidence_class(r, linted.get((chapter, r["name"])))})
     return rows
+
+
+def evidence_summary_rows(records: dict[str, list[dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
+    """Per chapter: derived checks by evidence class, paper claims by status (header, rows)."""
+    from curvlab.checks import evidence_summary
+
+    summary = evidence_summary({c: [{**r, "chapter": c} for r in recs] for c, recs in records.items()})
+    keys = ["evidence", "consistency", "not evidence (lint)", "unclassified", "reproduced", "not reproduced",
+            "inconclusive"]
+    header = ["chapter", "derived: evidence", "consistency", "not evidence (lint)", "unclassified",
+              "claims: reproduced", "not reproduced", "inconclusive"]
+    rows = [[chapter] + [str(summary[chapter][k]) for k in keys] for chapter in sorted(summary)]
+    if rows:
+        rows.append(["all chapters"] + [str(sum(summary[c][k] for c in summary)) for k in keys])
+    return header, rows
 
 
 def ledger_html(rows: list[dict[str, str]]) -> str:
@@ -308,7 +350,9 @@ def ledger_html(rows: list[dict[str, str]]) -> str:
 
     if not rows:
         return "<p><em>No checks of this kind in this build.</em></p>"
-    head = "".join(f"<th>{h}</th>" for h in ("status", "check", "statistic", "measured", "prediction", "tolerance", "foil"))
+    derived = any(r.get("evidence") for r in rows)
+    cols = ("status", "check", "statistic", "measured", "prediction", "tolerance", "foil") + (("compares",) if derived else ())
+    head = "".join(f"<th>{h}</th>" for h in cols)
     body = []
     for r in rows:
         small = lambda t: f'<br/><span class="curvlab-small">{e(t)}</span>' if t else ""  # noqa: E731
@@ -318,7 +362,10 @@ def ledger_html(rows: list[dict[str, str]]) -> str:
             f"<td><strong>{e(r['check'])}</strong>{small(r['where'])}</td>"
             f"<td>{e(r['statistic'])}</td><td>{e(r['measured'])}</td><td>{e(r['prediction'])}</td>"
             f"<td>{e(r['tolerance'])}{small(r['why'])}</td><td>{e(r['foil'])}{small(r['effect'])}</td>"
-            "</tr>"
+            + (f'<td>{e(r.get("compares", ""))}<br/><span class="curvlab-evidence curvlab-evidence-'
+               f'{e(r.get("evidence", "").split(":")[0].replace(" ", "-"))}">{e(r.get("evidence", ""))}</span></td>'
+               if derived else "")
+            + "</tr>"
         )
     return f'<table class="curvlab-ledger-table"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
@@ -338,6 +385,9 @@ class CurvlabPostTransform(SphinxPostTransform):
                 text=f"Profile of this build: {profile}. {n_derived} derived checks (asserted; the build fails if one "
                 f"misses) and {n_claims} paper claims (ledgered, never failing the build)."
             )
+            container += nodes.rubric(text="Per chapter")
+            header, rows = evidence_summary_rows(records)
+            container += _table(header, rows, ["curvlab-evidence-summary"])
             container += nodes.rubric(text="Paper claims")
             container += nodes.raw("", ledger_html(ledger_rows(records, ("claim",))), format="html")
             container += nodes.rubric(text="Derived predictions")

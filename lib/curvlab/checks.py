@@ -20,6 +20,12 @@ when the tolerance exceeds a third of it, the check is flagged **underpowered** 
 rational points, says which route proved it, and refuses to pass unless a perturbed right-hand side is
 rejected by the same route.
 
+Not every check that can fail is *evidence*. :func:`lint` reads check records (live ones, or the JSON a book
+build writes) and rejects a derived check that (a) does not say what it compares (``compares=``/``evidence=``),
+(b) has a tolerance computed from its own prediction, (c) cannot tell the prediction from its foil within the
+tolerance, or (d) is classed as evidence although both sides come from one computation. The book's test suite
+runs it over every executed chapter.
+
 Every check is recorded in a registry. :func:`report` renders the current section's checks as one compact,
 collapsed table; the book build collects the records into the reproduction ledger page (the chapter's records
 are written as JSON to ``$CURVLAB_LEDGER_DIR/<chapter>.json`` when that variable is set).
@@ -53,6 +59,9 @@ __all__ = [
     "identity",
     "claim",
     "at_grid_edge",
+    "lint",
+    "LintFinding",
+    "evidence_summary",
     "section",
     "report",
     "records",
@@ -90,6 +99,9 @@ class Tolerance:
     """
 
     components: tuple[tuple[str, float, str], ...]
+    #: One entry per component: ``None``, ``"prediction"`` (the component was computed from the predicted value,
+    #: declared by the author) or a reference array (:meth:`deviation`), compared with the prediction at check time.
+    references: tuple[Any, ...] = ()
 
     @property
     def value(self) -> float:
@@ -102,16 +114,19 @@ class Tolerance:
     def __add__(self, other: Tolerance) -> Tolerance:
         if not isinstance(other, Tolerance):
             raise TypeError(f"can only add a Tolerance to a Tolerance, got {type(other).__name__}")
-        return Tolerance(self.components + other.components)
+        return Tolerance(self.components + other.components, self._refs() + other._refs())
+
+    def _refs(self) -> tuple[Any, ...]:
+        return tuple(self.references) + (None,) * (len(self.components) - len(self.references))
 
     @staticmethod
-    def _component(kind: str, value: float, why: str) -> Tolerance:
+    def _component(kind: str, value: float, why: str, reference: Any = None) -> Tolerance:
         if not isinstance(why, str) or not why.strip():
             raise ValueError("why must say where this tolerance component comes from")
         value = float(value)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"a {kind} tolerance component must be finite and >= 0, got {value}")
-        return Tolerance(((kind, value, why),))
+        return Tolerance(((kind, value, why),), (reference,))
 
     @classmethod
     def replicates(cls, samples: Any, *, z: float = Z_DEFAULT, why: str = "replicate spread") -> Tolerance:
@@ -148,12 +163,38 @@ class Tolerance:
         return cls._component("standard error", z * se_val, f"{z:g}·SE; {why}")
 
     @classmethod
-    def finite_size(cls, value: Any, *, why: str) -> Tolerance:
-        """A finite-size term the chapter derived or fitted (e.g. ``c/sqrt(d)`` with ``c`` fitted on a sweep)."""
+    def finite_size(cls, value: Any, *, why: str, from_prediction: bool = False) -> Tolerance:
+        """A finite-size term the chapter derived or fitted (e.g. ``c/sqrt(d)`` with ``c`` fitted on a sweep).
+
+        ``from_prediction=True`` declares that ``value`` was computed from the predicted value itself (e.g. a
+        relative tolerance ``0.05·|predicted|``); the check still runs, but the ledger and :func:`lint` do not count
+        it as evidence.
+        """
         v = np.asarray(_to_numpy(value), dtype=float)
         if v.size == 0 or (v < 0).any():
             raise ValueError("a finite size tolerance component must be >= 0")
-        return cls._component("finite size", float(np.max(v)), why)
+        if not isinstance(from_prediction, bool):
+            raise TypeError(f"from_prediction must be a bool, got {type(from_prediction).__name__}")
+        return cls._component("finite size", float(np.max(v)), why, "prediction" if from_prediction else None)
+
+    @classmethod
+    def deviation(cls, values: Any, *, reference: Any, why: str) -> Tolerance:
+        """``max |values − reference|``: the spread of *other* measurements (a neighbouring size, decade or seed
+        set) around a reference value.
+
+        The reference is kept: when the check that uses this tolerance predicts that same reference, the tolerance
+        was computed from the prediction (the spread of one measurement around the claim calibrates the test of
+        another), and the check is flagged ``tolerance from prediction`` — not evidence (:func:`lint`).
+        """
+        v = np.asarray(_to_numpy(values), dtype=float)
+        r = np.asarray(_to_numpy(reference), dtype=float)
+        if v.size == 0 or r.size == 0 or not (np.isfinite(v).all() and np.isfinite(r).all()):
+            raise ValueError("values and reference must be non-empty and finite")
+        try:
+            dev = float(np.max(np.abs(v - r)))
+        except ValueError as exc:
+            raise ValueError(f"values and reference must broadcast together: {exc}") from exc
+        return cls._component("deviation", dev, why, r.copy())
 
     @classmethod
     def float_error(cls, *arrays: Any, ops: int, cond: float = 1.0, dtype: Any = None) -> Tolerance:
@@ -219,6 +260,12 @@ class CheckRecord:
     compares: str = ""  # "what is compared with what": the measured side's route vs the predicted side's route
     evidence: str = ""  # "evidence" (two independent routes) | "consistency" (one code path) | "" (unclassified)
     note: str = ""
+    # Numbers for the evidence lint (:func:`lint`), recorded by derived() and bound():
+    error: float | None = None  # max |measured − predicted| (derived) or worst slack max(measured − bound) (bound)
+    foil_error: float | None = None  # the same for the foil
+    predicted_scale: float | None = None  # max |predicted|
+    identical: bool = False  # measured and predicted equal bit for bit, and not all integers
+    tolerance_parts: list = field(default_factory=list)  # [{kind, value, why, from_prediction}]
     timestamp: float = field(default_factory=time.time)
 
 
@@ -377,6 +424,18 @@ def _settle(kind: str, name: str, source: str, statistic: str, values: tuple, to
     """Record a derived or bound check, then raise if the prediction missed or the foil was not rejected."""
     ok, foil_ok = err <= tol.value, foil_err <= tol.value
     m, p, f = values
+    parts = []
+    for (k, v, why), ref in zip(tol.components, tol._refs()):
+        from_pred = isinstance(ref, str) and ref == "prediction"
+        if isinstance(ref, np.ndarray):
+            try:
+                from_pred = bool(np.allclose(np.broadcast_to(ref, np.broadcast_shapes(ref.shape, p.shape)),
+                                             np.broadcast_to(p, np.broadcast_shapes(ref.shape, p.shape)),
+                                             rtol=1e-12, atol=0.0))
+            except ValueError:
+                from_pred = False
+        parts.append(dict(kind=k, value=float(v), why=why, from_prediction=from_pred))
+    identical = bool(m.shape == p.shape and np.array_equal(m, p) and not np.all(np.equal(np.round(m), m)))
     _record(CheckRecord(
         kind=kind,
         status="passed" if ok and not foil_ok else "failed",
@@ -389,6 +448,11 @@ def _settle(kind: str, name: str, source: str, statistic: str, values: tuple, to
         effect=effect,
         underpowered=tol.value > UNDERPOWERED_RATIO * effect,
         note=note,
+        error=float(err),
+        foil_error=float(foil_err),
+        predicted_scale=float(np.max(np.abs(p))),
+        identical=identical,
+        tolerance_parts=parts,
         **cls,
         **_common(name, source),
     ))
@@ -673,6 +737,141 @@ class expect_failure:
         if exc_type is None:
             raise CheckError(f"expected the check to reject a wrong prediction ({self.why}), but it passed")
         return False
+
+
+# --------------------------------------------------------------------------------------------------------
+# The evidence lint
+# --------------------------------------------------------------------------------------------------------
+#: A tolerance component equal to the check's own error, foil error or effect to this relative precision was
+#: fitted to the outcome, not computed from the run.
+LINT_RTOL = 1e-9
+#: Typed ratios: a component equal to ``r · max|predicted|`` with ``r`` one of these is a hand-typed relative
+#: tolerance on the prediction (1, 2 and 5 times a power of ten, 1e-12 … 1).
+_ROUND_RATIOS = tuple(c * 10.0**k for k in range(-12, 1) for c in (1.0, 2.0, 5.0) if c * 10.0**k <= 1.0)
+LINT_RULES = {
+    "unclassified": "does not say what it compares (compares=, evidence='evidence'|'consistency')",
+    "tolerance from prediction": "a tolerance component is computed from the predicted value",
+    "foil within tolerance": "the foil lies within the tolerance of the prediction (effect <= tol)",
+    "one computation": "classed as evidence, but its two sides come from one computation",
+}
+
+
+@dataclass(frozen=True)
+class LintFinding:
+    """One reason a derived check is not evidence."""
+
+    chapter: str
+    name: str
+    rule: str  # a key of LINT_RULES
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.chapter}: {self.name!r}: {self.rule} — {self.detail}"
+
+
+def _as_dict(r: Any) -> dict[str, Any]:
+    if isinstance(r, CheckRecord):
+        return asdict(r)
+    if isinstance(r, dict):
+        return r
+    raise TypeError(f"records must be CheckRecord objects or their dicts (ledger JSON), got {type(r).__name__}")
+
+
+def _close(a: float, b: float) -> bool:
+    return a > 0 and b > 0 and abs(a - b) <= LINT_RTOL * max(a, b)
+
+
+def lint(records: Any) -> list[LintFinding]:
+    r"""The derived checks among ``records`` that are not evidence, and why.
+
+    ``records``: :class:`CheckRecord` objects or their dicts (the ledger's JSON), or a dict ``{chapter: [...]}``.
+    Claims and checks recorded as *rejected as intended* (the demonstrations of :class:`expect_failure`) are
+    skipped. Rules, for a ``derived`` or ``bound`` check (a ``identity`` only gets rule a):
+
+    a. **unclassified** — ``evidence`` is neither ``"evidence"`` nor ``"consistency"``, or ``compares`` is empty.
+    b. **tolerance from prediction** — a tolerance component (i) was declared or detected as computed from the
+       prediction (:meth:`Tolerance.finite_size` with ``from_prediction=True``; :meth:`Tolerance.deviation`
+       around the predicted value), or (ii) equals the check's own error ``max|measured − predicted|`` (or worst
+       bound slack), its foil error or its effect ``max|predicted − foil|`` to :data:`LINT_RTOL` (a tolerance
+       fitted to the outcome), or (iii) is not a floating-point term and equals ``r·max|predicted|`` for a typed
+       ratio ``r ∈ {1, 2, 5}·10^k`` (a hand-typed relative tolerance on the prediction).
+    c. **foil within tolerance** — ``effect <= tolerance``: within the tolerance the prediction and its foil are
+       the same statement, so the check cannot tell the claim from its negation (whatever side the measurement
+       fell on in this run).
+    d. **one computation** — classed ``"evidence"``, but measured and predicted are bit-for-bit equal non-integer
+       arrays (two independent floating-point routes do not agree to the last bit), or ``compares`` names the same
+       route on both sides of its ``" vs "``. A ``"consistency"`` check is allowed, and is not counted as evidence.
+    """
+    if isinstance(records, dict):
+        records = [r for recs in records.values() for r in recs]
+    found: list[LintFinding] = []
+    for rec in records:
+        r = _as_dict(rec)
+        kind, status = r.get("kind"), r.get("status", "")
+        if kind not in ("derived", "bound", "identity") or status == "rejected as intended":
+            continue
+        add = lambda rule, detail: found.append(LintFinding(r.get("chapter", ""), r.get("name", ""), rule, detail))  # noqa: E731
+        evidence, compares = r.get("evidence", ""), (r.get("compares") or "").strip()
+        if evidence not in EVIDENCE_KINDS or not compares:
+            add("unclassified", f"evidence={evidence!r}, compares={compares!r}")
+        if kind == "identity":
+            continue
+        tol = r.get("tolerance")
+        err, foil_err, effect = r.get("error"), r.get("foil_error"), r.get("effect")
+        scale = r.get("predicted_scale")
+        for part in r.get("tolerance_parts") or []:
+            v = float(part.get("value", 0.0))
+            label = f"{part.get('kind')} {v:.3g} ({part.get('why', '')})"
+            if part.get("from_prediction"):
+                add("tolerance from prediction", f"{label} is computed from the predicted value")
+                continue
+            hit = next((n for n, x in (("its own error", err), ("its foil error", foil_err), ("its effect", effect))
+                        if x is not None and _close(v, abs(float(x)))), None)
+            if hit:
+                add("tolerance from prediction", f"{label} equals {hit}: the tolerance was fitted to the outcome")
+            elif part.get("kind") != "float" and scale and any(_close(v, q * scale) for q in _ROUND_RATIOS):
+                add("tolerance from prediction", f"{label} is a typed fraction of |predicted| = {scale:.3g}")
+        if tol is not None and effect is not None and effect <= tol:
+            add("foil within tolerance", f"effect {effect:.3g} <= tolerance {tol:.3g}")
+        if evidence == "evidence":
+            sides = [x.strip().lower() for x in compares.split(" vs ")]
+            if r.get("identical"):
+                add("one computation", "measured and predicted are bit-for-bit identical non-integer values")
+            elif len(sides) == 2 and sides[0] and sides[0] == sides[1]:
+                add("one computation", f"compares names one route on both sides: {compares!r}")
+    return found
+
+
+def evidence_summary(records: Any) -> dict[str, dict[str, int]]:
+    """Per chapter: derived checks that count as evidence, consistency checks, unclassified ones, checks the lint
+    rejects, and paper claims by status — the counts the ledger page shows."""
+    if not isinstance(records, dict):
+        grouped: dict[str, list] = {}
+        for rec in records:
+            d = _as_dict(rec)
+            grouped.setdefault(d.get("chapter", ""), []).append(d)
+        records = grouped
+    out: dict[str, dict[str, int]] = {}
+    for chapter, recs in records.items():
+        recs = [_as_dict(r) for r in recs]
+        rejected = {(f.chapter, f.name) for f in lint(recs)}
+        row = {"evidence": 0, "consistency": 0, "unclassified": 0, "not evidence (lint)": 0,
+               "reproduced": 0, "not reproduced": 0, "inconclusive": 0}
+        for r in recs:
+            if r.get("kind") == "claim":
+                if r.get("status") in row:
+                    row[r["status"]] += 1
+                continue
+            if r.get("status") == "rejected as intended":
+                continue
+            if (r.get("chapter", ""), r.get("name", "")) in rejected and r.get("evidence") == "evidence":
+                row["not evidence (lint)"] += 1
+            elif r.get("evidence") in EVIDENCE_KINDS:
+                row[r["evidence"]] += 1
+            else:
+                row["unclassified"] += 1
+        out[chapter] = row
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------
