@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -134,6 +135,50 @@ def test_ideal_spikes_dense():
     for j, l in enumerate(lam.tolist()):
         A = X.transpose(-2, -1) @ X / 25 + l * torch.eye(4, dtype=F64)
         assert torch.allclose(uk[:, j], torch.linalg.solve(A, u.unsqueeze(-1)).squeeze(-1), atol=1e-12)
+
+
+@pytest.mark.parametrize("n, d", [(30, 5), (6, 10)])
+def test_ideal_spikes_at_zero_damping_is_least_squares(n, d):
+    """lam_G = 0 is accepted, as by kfac_cosine: OLS when n > d, the minimum-norm interpolator when d > n."""
+    X = torch.randn(2, n, d, dtype=F64, generator=gen(5))
+    y = torch.randn(2, n, dtype=F64, generator=gen(6))
+    _, uk = si.ideal_spikes(X, y, torch.tensor([0.0, 1e-3], dtype=F64))
+    ls = (torch.linalg.pinv(X) @ y.unsqueeze(-1)).squeeze(-1)          # min-norm least squares, = OLS if n > d
+    assert torch.allclose(uk[:, 0], ls, atol=1e-10)
+    assert not torch.allclose(uk[:, 1], ls, atol=1e-10)                   # a positive penalty is not the pinv
+    s = si.spectrum("two-level", d, 4.0)
+    b2 = torch.full((d,), 1.0 / d, dtype=F64)
+    assert torch.isfinite(si.kfac_cosine(0.0, s, b2, 1.0, 0.1, d / n))      # the theory accepts it too
+
+
+def test_select_lam_G_is_the_validation_argmin():
+    X = torch.randn(3, 40, 6, dtype=F64, generator=gen(7))
+    y = X @ torch.ones(6, dtype=F64) + torch.randn(3, 40, dtype=F64, generator=gen(8))
+    Xv = torch.randn(3, 50, 6, dtype=F64, generator=gen(9))
+    yv = Xv @ torch.ones(6, dtype=F64)
+    grid = torch.tensor([0.0, 0.01, 1.0, 100.0], dtype=F64)
+    idx, mse = si.select_lam_G(X, y, Xv, yv, grid)
+    assert idx.shape == (3,) and mse.shape == (3, 4)
+    for r in range(3):
+        for j, lam in enumerate(grid.tolist()):
+            A = X[r].T @ X[r] / 40 + lam * torch.eye(6, dtype=F64)
+            u = torch.linalg.solve(A, X[r].T @ y[r] / 40)
+            assert float(mse[r, j]) == pytest.approx(float((Xv[r] @ u - yv[r]).square().mean()), rel=1e-10)
+        assert int(idx[r]) == int(mse[r].argmin())
+    assert bool((idx < 3).all())          # the huge penalty shrinks the spike to nothing: never chosen here
+
+
+def test_link_moments_stable_at_high_node_counts():
+    """Issue 15: hermegauss returned NaN weights at nodes = 400; the Golub-Welsch rule does not."""
+    for link in ("tanh2", "cubic", "linear"):
+        lo, hi = si.link_moments(link, 1.3, nodes=200), si.link_moments(link, 1.3, nodes=400)
+        assert all(math.isfinite(v) for v in hi)
+        assert hi.c1 == pytest.approx(lo.c1, rel=1e-6) and hi.Ey2 == pytest.approx(lo.Ey2, rel=1e-6)
+    x, w = si.hermite_nodes(si.MAX_NODES)
+    assert np.isfinite(x).all() and np.isfinite(w).all() and w.sum() == pytest.approx(1.0)
+    x, w = si.hermite_nodes(7)       # exact moments E g^2 = 1, E g^4 = 3, E g^12 = 10395
+    for k, mom in ((2, 1.0), (4, 3.0), (12, 10395.0)):
+        assert float((w * x**k).sum()) == pytest.approx(mom, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------- theory
@@ -267,7 +312,19 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="lam_v"):
         si.ridge_head(torch.ones(4, 2), torch.ones(4), 0.0)
     with pytest.raises(ValueError, match="lam_G"):
-        si.ideal_spikes(torch.randn(5, 3), torch.randn(5), torch.tensor([0.0]))
+        si.ideal_spikes(torch.randn(5, 3), torch.randn(5), torch.tensor([-1e-3]))
+    with pytest.raises(ValueError, match=r"nodes must lie in \[2, 4000\]"):
+        si.link_moments("tanh", 1.0, nodes=10_000)
+    with pytest.raises(ValueError, match="nodes"):
+        si.link_moments("tanh", 1.0, nodes=1)
+    with pytest.raises(ValueError, match="link is not finite.*nodes"):
+        si.link_moments(lambda t: torch.where(t.abs() > 5, torch.inf, t), 1.0, nodes=200)
+    with pytest.raises(ValueError, match="link has no finite Gaussian moments.*nodes"):
+        si.link_moments(lambda t: torch.exp(t**2), 1.0, nodes=200)
+    with pytest.raises(ValueError, match="grid"):
+        si.select_lam_G(torch.randn(5, 3), torch.randn(5), torch.randn(4, 3), torch.randn(4), [0.1])
+    with pytest.raises(ValueError, match="X_val"):
+        si.select_lam_G(torch.randn(5, 3), torch.randn(5), torch.randn(4, 2), torch.randn(4), [0.1, 1.0])
     with pytest.raises(ValueError, match="beta_sq"):
         si.sgd_cosine(s, torch.ones(10), 1.0, 1.0, 0.5)
     with pytest.raises(ValueError, match="gamma"):

@@ -26,7 +26,7 @@ What is here:
 * problems: :func:`spectrum`, :func:`beta_star`, :data:`LINKS`, :func:`link_moments`, :func:`sample`;
 * the network and the step: :func:`init_network`, :func:`features`, :func:`neg_gradient`, :func:`giant_step`,
   :func:`scale_to_norm`, :func:`spike_direction`, :func:`ridge_head`, :func:`risk`;
-* idealised spikes :func:`ideal_spikes` and :func:`cosine`;
+* idealised spikes :func:`ideal_spikes`, the held-out damping :func:`select_lam_G`, and :func:`cosine`;
 * theory: :func:`sgd_cosine`, :func:`kfac_cosine`, :func:`ols_cosine`, :func:`population_kfac_cosine`,
   :func:`effective_ridge_two_level` (the cubic, vectorised in :math:`\lambda_G` *and* :math:`\gamma`),
   :func:`optimal_lam_G`;
@@ -52,6 +52,8 @@ __all__ = [
     "beta_star",
     "LinkMoments",
     "link_moments",
+    "hermite_nodes",
+    "MAX_NODES",
     "sample",
     "init_network",
     "features",
@@ -62,6 +64,7 @@ __all__ = [
     "ridge_head",
     "risk",
     "ideal_spikes",
+    "select_lam_G",
     "cosine",
     "sgd_cosine",
     "kfac_cosine",
@@ -218,23 +221,57 @@ class LinkMoments(NamedTuple):
     s2: float
 
 
+#: Largest number of quadrature nodes :func:`link_moments` accepts (the Golub–Welsch eigenproblem is
+#: ``nodes x nodes``; far more nodes than any smooth link needs).
+MAX_NODES = 4000
+
+
+def hermite_nodes(nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    r"""Gauss–Hermite rule for the **standard normal** law: nodes :math:`x_j` and weights :math:`w_j`
+    (:math:`\sum_jw_j=1`, :math:`\sum_jw_jh(x_j)=\E h(g)` exactly for polynomials of degree below ``2*nodes``).
+
+    Computed by Golub–Welsch: the nodes are the eigenvalues of the symmetric tridiagonal Jacobi matrix of the
+    probabilists' Hermite polynomials (off-diagonal :math:`\sqrt k`), the weights the squared first components of
+    its unit eigenvectors. Unlike NumPy's ``hermegauss`` (which evaluates the polynomials and overflows to NaN
+    weights beyond about 300 nodes) this stays finite at every size; weights of far-out nodes underflow to 0.
+    ``nodes`` must lie in ``[2, MAX_NODES]``.
+    """
+    nodes = check_int("nodes", nodes, min_value=2)
+    if nodes > MAX_NODES:
+        raise ValueError(f"nodes must lie in [2, {MAX_NODES}], got {nodes}")
+    from scipy.linalg import eigh_tridiagonal
+
+    off = np.sqrt(np.arange(1, nodes, dtype=np.float64))
+    x, V = eigh_tridiagonal(np.zeros(nodes), off)
+    w = V[0] ** 2
+    return x, w / w.sum()
+
+
 def link_moments(link, s2: float, noise_std: float = 0.0, *, nodes: int = 120) -> LinkMoments:
     r""":math:`c_1`, :math:`\E y^2` and :math:`\sigma_{\mathrm{eff}}^2` of ``link`` at variance ``s2``, by
-    Gauss–Hermite quadrature with ``nodes`` nodes (exact for polynomial links of degree below ``2*nodes``).
+    Gauss–Hermite quadrature with ``nodes`` nodes (exact for polynomial links of degree below ``2*nodes``;
+    ``nodes`` in ``[2, MAX_NODES]``, rule from :func:`hermite_nodes`, stable at every size).
 
     :math:`c_1` is computed in Stein's form :math:`\E[\phi_\star(z)z]/s^2`, which needs no derivative, so
-    ``link`` may be any name in :data:`LINKS` or a callable on float64 tensors.
+    ``link`` may be any name in :data:`LINKS` or a callable on float64 tensors. A link that is not finite where
+    the rule has weight (it overflows at the far nodes) raises a ValueError naming ``link`` and ``nodes``.
     """
     f = _link(link)
     s2 = check_positive("s2", s2)
     noise_std = check_nonnegative("noise_std", noise_std)
-    nodes = check_int("nodes", nodes, min_value=2)
-    x, w = np.polynomial.hermite_e.hermegauss(nodes)
-    z = torch.as_tensor(x, dtype=F64) * math.sqrt(s2)
-    w = torch.as_tensor(w / math.sqrt(2 * math.pi), dtype=F64)
+    x, w = hermite_nodes(nodes)
+    keep = w > 0                                   # underflowed far-out nodes carry no weight
+    z = torch.as_tensor(x[keep], dtype=F64) * math.sqrt(s2)
+    w = torch.as_tensor(w[keep], dtype=F64)
     fz = f(z)
+    if not bool(torch.isfinite(fz).all()):
+        raise ValueError(f"link is not finite at the quadrature nodes (|z| up to {float(z.abs().max()):.3g}); "
+                         f"use fewer nodes (got nodes={nodes})")
     c1 = float((w * fz * z).sum()) / s2
     Ey2 = float((w * fz**2).sum()) + noise_std**2
+    if not (math.isfinite(c1) and math.isfinite(Ey2) and math.isfinite(c1 * c1 * s2)):
+        raise ValueError(f"link has no finite Gaussian moments at s2={s2:g} with nodes={nodes} "
+                         f"(c1={c1:.3g}, E y^2={Ey2:.3g}): the link grows too fast")
     return LinkMoments(c1, Ey2, max(Ey2 - c1**2 * s2, 0.0), s2)
 
 
@@ -377,15 +414,50 @@ def risk(Phi, y, v_hat) -> torch.Tensor:
 def ideal_spikes(X, y, lam_G) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The idealised spikes :math:`u_{\mathrm{SGD}}=X^\top y/n` ``(..., d)`` and
     :math:`u_{\mathrm{KFAC}}=(\hat\Sigma+\lambda_GI)^{-1}X^\top y/n` ``(..., L, d)`` for a vector ``lam_G`` ``(L,)``
-    of penalties :math:`>0` (one eigen-decomposition of :math:`\hat\Sigma` serves the whole grid)."""
+    of penalties :math:`\ge0` (one eigen-decomposition of :math:`\hat\Sigma` serves the whole grid).
+
+    :math:`\lambda_G=0` is the least-squares spike, as in :func:`kfac_cosine`: the pseudo-inverse
+    :math:`\hat\Sigma^+X^\top y/n` — OLS when :math:`n>d`, the minimum-norm interpolator when :math:`d>n`. The
+    eigenvalues of :math:`\hat\Sigma` treated as zero are those below :math:`\max(n,d)\,\epsilon\,\lambda_{\max}`
+    (NumPy's ``pinv`` convention, :math:`\epsilon` the dtype's machine epsilon).
+    """
     X, y = _data(X, y)
-    lam = _vec("lam_G", lam_G, positive=True).to(X.device)
+    lam = _vec("lam_G", lam_G).to(device=X.device, dtype=X.dtype)
+    if bool((lam < 0).any()):
+        raise ValueError(f"lam_G must be >= 0, got min {float(lam.min()):.3g}")
     n = X.shape[-2]
     u = (X.transpose(-2, -1) @ y.unsqueeze(-1)).squeeze(-1) / n
     e, Q = rmt.sample_covariance_eigh(X, vectors=True)
+    e, Q = e.to(u.dtype), Q.to(u.dtype)
     coef = (Q.transpose(-2, -1) @ u.unsqueeze(-1)).squeeze(-1)               # (..., d)
-    filt = 1.0 / (e.clamp_min(0.0).unsqueeze(-2) + lam.unsqueeze(-1))        # (..., L, d)
+    e = e.clamp_min(0.0).unsqueeze(-2)                                         # (..., 1, d)
+    filt = 1.0 / (e + lam.unsqueeze(-1))                                       # (..., L, d)
+    if bool((lam == 0).any()):
+        cut = max(X.shape[-2:]) * torch.finfo(X.dtype).eps * e.amax(-1, keepdim=True)
+        pinv = torch.where(e > cut, 1.0 / torch.where(e > cut, e, torch.ones_like(e)), torch.zeros_like(e))
+        filt = torch.where((lam == 0).unsqueeze(-1), pinv, filt)
     return u, (filt * coef.unsqueeze(-2)) @ Q.transpose(-2, -1)
+
+
+def select_lam_G(X, y, X_val, y_val, grid) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The damping chosen on **held-out samples**: for each replicate, the :math:`\lambda_G` of ``grid`` whose
+    K-FAC spike, read as a linear predictor :math:`x\mapsto\langle u_{\mathrm{KFAC}}(\lambda_G),x\rangle` (the ridge
+    estimator), has the smallest mean squared error on ``(X_val, y_val)``. No population quantity enters.
+
+    ``X`` ``(..., n, d)``, ``y`` ``(..., n)``, ``X_val`` ``(..., n_val, d)``, ``y_val`` ``(..., n_val)``, ``grid``
+    ``(L,)`` penalties :math:`\ge0`, fixed before the run. Returns ``(index, val_mse)``: the chosen grid index
+    ``(...)`` and the validation errors ``(..., L)``. Use :func:`curvlab.checks.at_grid_edge` on the choice.
+    """
+    Xv, yv = _data(X_val, y_val)
+    lam = _vec("grid", grid)
+    if lam.numel() < 2:
+        raise ValueError(f"grid must hold at least 2 penalties, got {lam.numel()}")
+    _, uk = ideal_spikes(X, y, lam)                                    # (..., L, d)
+    if Xv.shape[-1] != uk.shape[-1]:
+        raise ValueError(f"X_val must have {uk.shape[-1]} columns like X, got shape {tuple(Xv.shape)}")
+    pred = Xv.to(uk.device) @ uk.transpose(-2, -1)                     # (..., n_val, L)
+    mse = (pred - yv.to(uk.device).unsqueeze(-1)).square().mean(-2)    # (..., L)
+    return mse.argmin(-1), mse
 
 
 def cosine(u, w, *, absolute: bool = False) -> torch.Tensor:
