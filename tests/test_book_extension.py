@@ -113,3 +113,49 @@ def test_ledger_shows_what_each_derived_check_compares_and_how_it_counts():
     header, table = curvlab_book.evidence_summary_rows(records)
     assert header[1] == "derived: evidence"
     assert table[0] == ["ch", "1", "1", "1", "1", "0", "0", "1"] and table[-1][0] == "all chapters"
+
+
+def test_value_reference_parsing_and_lookup():
+    assert curvlab_book.parse_value_ref("ch::a check") == ("ch", "a check", "measured")
+    assert curvlab_book.parse_value_ref(" ch :: a check :: status ") == ("ch", "a check", "status")
+    for bad in ("no separator", "ch::name::colour", "::name"):
+        with pytest.raises(ValueError, match="curvlab-value"):
+            curvlab_book.parse_value_ref(bad)
+    records = {"ch": [{"name": "a", "measured": "0.5", "status": "passed", "tolerance": 0.012345},
+                      {"name": "a", "measured": "0.7", "status": "passed", "tolerance": 0.0123}]}
+    assert curvlab_book.ledger_value(records, "ch::a") == "0.7"          # the last record of that name
+    assert curvlab_book.ledger_value(records, "ch::a::tolerance") == "0.0123"
+    assert curvlab_book.ledger_value(records, "ch::missing") is None
+    assert curvlab_book.ledger_value(records, "other::a") is None
+
+
+def test_value_role_fills_prose_from_this_builds_ledger(fake_root, tmp_path, monkeypatch):
+    """A tiny Sphinx project with the extension: the role shows the ledger's number, and a reference the build did
+    not record is a warning (an error of the strict book build)."""
+    import io
+    import json
+
+    from sphinx.application import Sphinx
+
+    for key in ("CURVLAB_PROFILE", "CURVLAB_KEY", "CURVLAB_BOOK_BUILD", "CURVLAB_PROGRESS", "CURVLAB_LEDGER_DIR",
+                "CURVLAB_EXECUTION_CACHE", "MPLBACKEND"):
+        monkeypatch.setenv(key, "")
+    monkeypatch.setenv("CURVLAB_PROFILE", "quick")
+    ledger = curvlab_book.ledger_dir("quick", curvlab_book.library_key("quick"))
+    ledger.mkdir(parents=True)
+    (ledger / "11_x.json").write_text(json.dumps([{"kind": "claim", "name": "NGD is slower", "measured": "-0.51 ± 3·0.01",
+                                                   "status": "not reproduced", "source": "p", "profile": "quick"}]))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'book' / '_ext')!r})\n"
+                                 "extensions = ['myst_parser', 'sphinx.ext.intersphinx', 'sphinx.ext.mathjax', 'curvlab_book']\n")
+    (src / "index.md").write_text("# T\n\nRatio {curvlab-value}`11_x::NGD is slower` "
+                                  "(*{curvlab-value}`11_x::NGD is slower::status`*), "
+                                  "gone {curvlab-value}`11_x::renamed check`.\n")
+    warnings = io.StringIO()
+    app = Sphinx(str(src), str(src), str(tmp_path / "out"), str(tmp_path / "doctrees"), "html",
+                 status=None, warning=warnings, freshenv=True)
+    app.build()
+    html = (tmp_path / "out" / "index.html").read_text()
+    assert "-0.51 ± 3·0.01" in html and "not reproduced" in html and 'class="curvlab-value"' in html
+    assert "renamed check" in warnings.getvalue() and "no value" in warnings.getvalue()

@@ -175,3 +175,9 @@ def test_launch_buttons_point_at_the_repository():
     repo = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["url"]
     page = (HTML / "notebooks" / f"{NOTEBOOKS[0].stem}.html").read_text()
     assert repo.replace("https://github.com/", "") in page and "colab.research.google.com" in page
+
+
+def test_prose_numbers_come_from_this_builds_ledger():
+    """Every ``{curvlab-value}`` on a prose page found its check in this build's ledger (the strict build warns too)."""
+    missing = [p.name for p in sorted((HTML / "book").glob("*.html")) if "[no ledger value:" in p.read_text()]
+    assert not missing, f"pages quoting a number the ledger does not supply: {missing}"

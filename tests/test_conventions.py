@@ -395,3 +395,72 @@ def test_dampings_and_steps_follow_the_notation_table(name, text):
         text = text.split(UNITS_START, 1)[0] + text.split(UNITS_END, 1)[1]
     bad = unit_violations(text, table)
     assert not bad, f"{name}: dampings/steps disagree with the units table of book/notation.md: {bad}"
+
+
+
+# --------------------------------------------------------------------------------------------------------
+# Numbers on prose pages come from the ledger of the build that renders them (issue 17, item 11)
+# --------------------------------------------------------------------------------------------------------
+_VALUE_ROLE = re.compile(r"\{curvlab-value\}`[^`]*`")
+_FENCED = re.compile(r"^(```+|~~~+)[^\n]*\n.*?^\1", re.S | re.M)
+#: A sentence that attributes a number to a build: a profile name in backticks, "this build", or the book's own
+#: simulations. Such a number is a measurement and must be a ``{curvlab-value}`` role.
+_BUILD_WORDS = re.compile(r"`(quick|standard|paper)`|\bthis build\b|\bin our runs\b|\bwe measured?\b|\bsimulated here\b")
+#: ... unless the sentence quotes it from an outside source (the paper, its digest, the authors, the review).
+_SOURCE_WORDS = re.compile(r"\b(digest|the paper|the authors|review|printed|published|reports?)\b", re.I)
+_DECIMAL = re.compile(r"(?<![\w.^_{\\])[-+−]?\d+\.\d+(?:\s*\\?%)?|(?<![\w.^_{\\])\d+\s*\\?%")
+_WITH_ERROR = re.compile(r"\d\s*\)?\s*(\\pm|±)\s*\d")
+
+
+def prose_sentences(text: str) -> list[str]:
+    """The sentences of a MyST page, without code blocks, comments, ledger roles and cross-reference roles; each
+    table row is a sentence of its own."""
+    text = _FENCED.sub("", text)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = _VALUE_ROLE.sub("⟨ledger⟩", text)
+    text = re.sub(r"\{[\w:-]+\}`[^`]*`", "⟨ref⟩", text)
+    out = []
+    for para in re.split(r"\n\s*\n", text):
+        rows = [ln for ln in para.splitlines() if ln.lstrip().startswith("|")]
+        rest = " ".join(ln for ln in para.splitlines() if not ln.lstrip().startswith("|"))
+        out += rows + re.split(r"(?<=[.;])\s+(?=[A-Z(*-])", rest)
+    return [s for s in out if s.strip()]
+
+
+def hand_typed_measurements(text: str) -> list[str]:
+    """Build-dependent numbers typed by hand on a prose page.
+
+    Rule: (a) a number with an uncertainty (``0.25 ± 0.01``) is a measurement; (b) a decimal number or percentage in
+    a sentence that attributes it to a build (a profile name in backticks, "this build", "in our runs") is a
+    measurement, unless it is a setting (right after ``=``) or the sentence quotes an outside source (the paper,
+    the digest, the authors, the review). Both must be written ``{curvlab-value}`chapter::check```, which the build
+    fills from its own ledger.
+    """
+    found = []
+    for s in prose_sentences(text):
+        if _WITH_ERROR.search(s):
+            found.append(s)
+            continue
+        if _BUILD_WORDS.search(s) and not _SOURCE_WORDS.search(s):
+            for m in _DECIMAL.finditer(s):
+                if not re.search(r"(=|\\approx|\\le|\\ge)\s*$", s[max(0, m.start() - 8):m.start()]):
+                    found.append(s)
+                    break
+    return found
+
+
+def test_measured_number_detector():
+    assert hand_typed_measurements("NGD is faster in `standard` (log ratio $-0.51\\pm0.03$).")
+    assert hand_typed_measurements("Adam closes $0.17$ of the gap in `quick`.")
+    assert hand_typed_measurements("In this build the slope is 1.52.")
+    assert not hand_typed_measurements("NGD is faster in `standard` (log ratio {curvlab-value}`11_x::NGD`).")
+    assert not hand_typed_measurements("The `paper` profile runs $\\eta=0.02$ with $n = 500$ for 30 s.")
+    assert not hand_typed_measurements("The digest measured ratios 0.84 and 0.80 in `quick`.")
+    assert not hand_typed_measurements("inputs uniform on $\\{\\pm1\\}^d$, a rate of 0.7.")
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
+def test_prose_pages_take_measured_numbers_from_the_ledger(path):
+    bad = hand_typed_measurements(path.read_text())
+    assert not bad, (f"{path.name}: build-dependent numbers typed by hand; write them as "
+                     "{curvlab-value}`chapter::check name` (book/_ext/curvlab_book.py):\n" + "\n".join(bad))

@@ -9,6 +9,10 @@
 * **Reproduction ledger and execution status.** The ``curvlab-ledger`` and ``curvlab-status`` directives leave a
   placeholder that is filled after every notebook has run (a post-transform at write time), from the chapters'
   check records and myst-nb's execution data.
+* **Numbers on prose pages.** The ``curvlab-value`` role, ``{curvlab-value}`chapter::check name```, writes a
+  number of *this* build's ledger into a page (the check's measured value; ``::predicted``, ``::tolerance``,
+  ``::effect``, ``::status``, ``::profile`` for the others), so a prose page never quotes a build-dependent number typed by hand.
+  A reference to a check the build did not record is a warning (an error of the strict build).
 * **Budget.** In the ``quick`` profile each notebook has a design budget of :data:`QUICK_BUDGET_S` seconds.
   A timing is not a test: run times are *reported* (the execution-status page marks a notebook over budget, and
   the build prints one summary line), never a warning of the strict build, so ``make test`` passes on a loaded
@@ -237,6 +241,52 @@ class _Placeholder(SphinxDirective):
         return [self.node_class()]
 
 
+class ValueNode(nodes.Inline, nodes.TextElement):
+    """Placeholder for one number of the ledger, filled after execution (``curvlab-value`` role)."""
+
+
+VALUE_FIELDS = ("measured", "predicted", "tolerance", "effect", "status", "statistic", "foil", "profile")
+
+
+def parse_value_ref(text: str) -> tuple[str, str, str]:
+    """``"chapter::check name[::field]"`` -> ``(chapter, name, field)``; the field defaults to ``measured``."""
+    parts = [x.strip() for x in text.split("::")]
+    if len(parts) == 2:
+        parts.append("measured")
+    if len(parts) != 3 or not all(parts) or parts[2] not in VALUE_FIELDS:
+        raise ValueError(f"curvlab-value expects 'chapter::check name[::field]' with field in {VALUE_FIELDS}, got {text!r}")
+    return parts[0], parts[1], parts[2]
+
+
+def ledger_value(records: dict[str, list[dict[str, Any]]], ref: str) -> str | None:
+    """The text the ``curvlab-value`` role shows for ``ref``, or None when the build recorded no such check.
+
+    Numbers are the ledger's own strings (``measured``, ``predicted``: as the check recorded them) or three
+    significant digits (``tolerance``, ``effect``). The last record of that name wins (a chapter may re-run a check).
+    """
+    chapter, name, fld = parse_value_ref(ref)
+    found = [r for r in records.get(chapter, []) if r.get("name") == name]
+    if not found:
+        return None
+    v = found[-1].get(fld)
+    if v is None or v == "":
+        return None
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def value_role(name: str, rawtext: str, text: str, lineno: int, inliner: Any, options: Any = None, content: Any = None):
+    try:
+        parse_value_ref(text)
+    except ValueError as exc:
+        msg = inliner.reporter.error(str(exc), line=lineno)
+        return [inliner.problematic(rawtext, rawtext, msg)], [msg]
+    env = inliner.document.settings.env
+    env.curvlab_generated = getattr(env, "curvlab_generated", set()) | {env.docname}
+    node = ValueNode(rawtext, text)
+    node["ref"] = text
+    return [node], []
+
+
 class LedgerDirective(_Placeholder):
     node_class = LedgerNode
 
@@ -395,6 +445,16 @@ class CurvlabPostTransform(SphinxPostTransform):
             node.replace_self(container)
         for node in list(self.document.findall(StatusNode)):
             node.replace_self(self._status(records))
+        for node in list(self.document.findall(ValueNode)):
+            value = ledger_value(records, node["ref"])
+            if value is None:
+                LOGGER.warning(f"curvlab-value: this build's ledger has no value for {node['ref']!r}",
+                               location=node, type="curvlab", subtype="value")
+                value = f"[no ledger value: {node['ref']}]"
+            chapter, check, fld = parse_value_ref(node["ref"])
+            span = nodes.inline(value, value, classes=["curvlab-value"])
+            span["title"] = f"{fld} of '{check}' ({chapter}), from this build's ledger"
+            node.replace_self(span)
 
     def _status(self, records: dict[str, list[dict[str, Any]]]) -> nodes.Node:
         from myst_nb.sphinx_ import NbMetadataCollector
@@ -470,6 +530,8 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("config-inited", _config_inited, priority=100)
     app.add_node(LedgerNode)
     app.add_node(StatusNode)
+    app.add_node(ValueNode)
+    app.add_role("curvlab-value", value_role)
     app.add_directive("curvlab-ledger", LedgerDirective)
     app.add_directive("curvlab-status", StatusDirective)
     app.add_post_transform(CurvlabPostTransform)
