@@ -37,6 +37,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -144,8 +145,23 @@ def execute_all(chapters: list[Path], out_dir: Path, profile: str, jobs: int, fo
 
 
 # ------------------------------------------------------------------------------------------------ MyST -> Markdown
+def latex_to_text(s: str) -> str:
+    """BibTeX field text as Unicode: accents and escapes decoded (``Mar\\v{c}enko`` -> ``Marčenko``), braces gone."""
+    import codecs
+
+    import latexcodec  # noqa: F401  (registers the 'ulatex' codec; a dependency of pybtex)
+
+    try:
+        s = codecs.decode(s, "ulatex")
+    except (UnicodeDecodeError, ValueError):  # pragma: no cover - latexcodec decodes any str; keep the text if not
+        pass
+    return re.sub(r"\s+", " ", s.replace("{", "").replace("}", "")).strip()
+
+
 class Bibliography:
-    """Author–year labels and reference lines from ``book/references.bib`` (pybtex ships with sphinxcontrib-bibtex)."""
+    """Author–year labels and reference lines from ``book/references.bib`` (pybtex ships with sphinxcontrib-bibtex).
+
+    Every field is decoded from LaTeX to Unicode (``latex_to_text``), so no ``\\v{c}`` reaches a slide."""
 
     def __init__(self, path: Path = ROOT / "book" / "references.bib") -> None:
         from pybtex.database import parse_file
@@ -157,7 +173,7 @@ class Bibliography:
         if entry is None:
             return key
         people = entry.persons.get("author") or entry.persons.get("editor") or []
-        last = [" ".join(p.last_names).replace("{", "").replace("}", "") for p in people]
+        last = [latex_to_text(" ".join(p.last_names)) for p in people]
         if not last:
             return key
         return last[0] if len(last) == 1 else f"{last[0]} and {last[1]}" if len(last) == 2 else f"{last[0]} et al."
@@ -175,17 +191,17 @@ class Bibliography:
         entry = self.entries.get(key)
         if entry is None:
             return f"{key} (not in the bibliography)"
-        clean = lambda s: re.sub(r"[{}]", "", s)  # noqa: E731
         people = entry.persons.get("author") or []
-        names = ", ".join(clean(" ".join(p.first_names + p.middle_names + p.last_names)) for p in people[:6])
+        names = ", ".join(latex_to_text(" ".join(p.first_names + p.middle_names + p.last_names)) for p in people[:6])
         names += " et al." if len(people) > 6 else ""
         venue = entry.fields.get("journal") or entry.fields.get("booktitle") or entry.fields.get("publisher") or ""
-        title = clean(entry.fields.get("title", ""))
-        return f"{names} ({self.year(key)}). *{title}*." + (f" {clean(venue)}." if venue else "")
+        title = latex_to_text(entry.fields.get("title", ""))
+        return f"{names} ({self.year(key)}). *{title}*." + (f" {latex_to_text(venue)}." if venue else "")
 
 
 FENCE = re.compile(r"^(\s*)(`{3,}|:{3,})\{([A-Za-z][\w:-]*)\}\s*(.*)$")
 ROLE = re.compile(r"\{([A-Za-z][\w:+-]*)\}`([^`]+)`")
+EQ_LABEL = re.compile(r"^\s*\$\$\s*\(([\w:.-]+)\)\s*$")
 OPTION = re.compile(r"^\s*:([A-Za-z][\w-]*):\s*(.*)$")
 
 
@@ -297,7 +313,7 @@ class MystToSlides:
             head = f"**{kind}**" + (f" ({self.roles(arg)})" if arg else "") + (f" · *{status}*" if status else "")
             return ["", f'<div class="curvlab-box curvlab-prf">', "", head, "", *inner, "", "</div>", ""]
         if name == "prf:proof":
-            return ["", '<details class="curvlab-proof"><summary>Proof</summary>', "", *inner, "", "</details>", ""]
+            return ["", '<div class="curvlab-box curvlab-proof">', "", "*Proof.*", "", *inner, "", "</div>", ""]
         if name == "exercise":
             return ["", '<div class="curvlab-box curvlab-exercise">', "", f"**Exercise.** {self.roles(arg)}", "", *inner, "", "</div>", ""]
         if name == "literalinclude":
@@ -345,6 +361,10 @@ class MystToSlides:
             i += 1
             if self.in_solution or re.match(r"^\s*\([\w:-]+\)=\s*$", line) or re.match(r"^%", line):
                 continue
+            eq = EQ_LABEL.match(line)
+            if eq:  # a labelled display equation, `$$ (label)`: MathJax shows the label as its tag
+                out.extend([f"\\tag{{{eq.group(1)}}}", "$$"])
+                continue
             out.append(self.roles(line))
         return out
 
@@ -353,42 +373,441 @@ class MystToSlides:
         return re.sub(r"\n{3,}", "\n\n", text).strip()
 
 
-def slide_notebook(nb: nbformat.NotebookNode, notebook_dir: Path, bib: Bibliography | None = None) -> nbformat.NotebookNode:
-    """The executed chapter turned into the notebook the reveal exporter renders (cells, metadata and outputs)."""
-    nb = copy.deepcopy(nb)
+# ------------------------------------------------------------------------------------------------ slide layout
+# A slide is laid out here, in Python, from an estimate of each block's rendered height (px at the deck's CSS on the
+# 1280 x 800 canvas). The model is deliberately on the safe side; tests/test_slides.py renders a deck in headless
+# Chromium and measures every slide, and the deck itself makes any slide that still overflows scrollable.
+CANVAS = (1280, 800)
+BUDGET = 700  # px of estimated content per slide: the canvas less the padding and a safety margin
+SLIDE_CODE_TAG = "slide-code"  # a code cell whose *input* the slide shows (inputs are hidden by default)
+NOTES_TAG = "notes"  # a Markdown cell that becomes the previous slide's speaker notes (<aside class="notes">)
+OWN_SLIDE_BOXES = ("curvlab-prf", "curvlab-proof", "curvlab-exercise")  # theorem-like blocks start their own slide
+
+TEXT_LINE, TEXT_CHARS, PARA_GAP = 34.0, 88, 22.0  # body text: 25 px font, line height 1.35
+CODE_LINE, CODE_CHARS, CODE_PAD = 22.0, 100, 34.0  # code and plain-text outputs: 17 px monospace
+MATH_ROW, MATH_TALL, MATH_PAD = 44.0, 22.0, 34.0  # a display-equation row; extra for fractions, sums, matrices
+HEADING = {1: 72.0, 2: 62.0, 3: 52.0}
+CONT_TITLE, BOX_PAD, CAPTION_LINE, CAPTION_CHARS, CONTENT_W = 44.0, 40.0, 26.0, 118, 1180.0
+TALL_TEX = re.compile(r"\\(frac|dfrac|sum|prod|int|begin\{(p|b|v)?matrix\}|underbrace|overbrace|binom|sqrt\{[^}]*\\frac)")
+
+
+@dataclass
+class Block:
+    """One unit of a slide's Markdown: a heading, a paragraph, a list, a display equation, a code listing, or a
+    box (theorem, proof, exercise, admonition) holding blocks of its own."""
+
+    kind: str  # heading | text | list | math | code | box
+    text: str  # the Markdown (a box: its head line)
+    level: int = 0  # a heading's level
+    open: str = ""  # a box: its opening tag
+    children: list[Block] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        if self.kind == "box":
+            return "\n\n".join([self.open, self.text, *(c.markdown() for c in self.children), "</div>"])
+        return self.text
+
+
+BOX_OPEN = re.compile(r"^<(div|details)\b[^>]*>\s*$")
+BOX_CLOSE = re.compile(r"^</(div|details)>\s*$")
+LIST_ITEM = re.compile(r"^([-*+]|\d+[.)])\s+")
+HEAD = re.compile(r"^(#{1,6})\s+(.*)$")
+
+
+def _starts_block(line: str) -> bool:
+    s = line.strip()
+    return s.startswith(("$$", "```", "~~~")) or bool(HEAD.match(s)) or bool(BOX_OPEN.match(s)) or bool(BOX_CLOSE.match(s))
+
+
+def split_blocks(md: str) -> list[Block]:
+    """Split converted Markdown into blocks; a box opened and not closed in this text is closed at its end (the
+    gated exercise form opens its box in one cell and closes it in another)."""
+    lines = md.splitlines()
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        line, s = lines[i], lines[i].strip()
+        if not s or BOX_CLOSE.match(s):
+            i += 1
+            continue
+        if s.startswith(("```", "~~~")):
+            fence = re.match(r"^(`{3,}|~{3,})", s).group(1)
+            j = i + 1
+            while j < len(lines) and not lines[j].strip().startswith(fence):
+                j += 1
+            out.append(Block("code", "\n".join(lines[i : j + 1])))
+            i = j + 1
+            continue
+        if s.startswith("$$"):
+            j = i if (len(s) > 4 and s.endswith("$$")) else i + 1
+            while j < len(lines) and not lines[j].strip().endswith("$$"):
+                j += 1
+            out.append(Block("math", "\n".join(lines[i : j + 1])))
+            i = j + 1
+            continue
+        m = HEAD.match(s)
+        if m:
+            out.append(Block("heading", s, level=len(m.group(1))))
+            i += 1
+            continue
+        if BOX_OPEN.match(s):
+            depth, j = 1, i + 1
+            while j < len(lines):
+                t = lines[j].strip()
+                depth += 1 if BOX_OPEN.match(t) else -1 if BOX_CLOSE.match(t) else 0
+                if depth == 0:
+                    break
+                j += 1
+            inner = lines[i + 1 : j]
+            k = next((k for k, t in enumerate(inner) if t.strip()), len(inner))
+            head = inner[k].strip() if k < len(inner) else ""
+            out.append(Block("box", head, open=s, children=split_blocks("\n".join(inner[k + 1 :]))))
+            i = j + 1
+            continue
+        j = i + 1
+        if LIST_ITEM.match(line):  # a list runs until a blank line followed by neither an item nor an indented line
+            while j < len(lines):
+                if not lines[j].strip():
+                    k = j
+                    while k < len(lines) and not lines[k].strip():
+                        k += 1
+                    if k < len(lines) and (LIST_ITEM.match(lines[k]) or lines[k].startswith((" ", "\t"))):
+                        j = k
+                        continue
+                    break
+                if not lines[j].startswith((" ", "\t")) and not LIST_ITEM.match(lines[j]) and _starts_block(lines[j]):
+                    break
+                j += 1
+            out.append(Block("list", "\n".join(lines[i:j]).rstrip()))
+        else:
+            while j < len(lines) and lines[j].strip() and not _starts_block(lines[j]):
+                j += 1
+            out.append(Block("text", "\n".join(lines[i:j])))
+        i = j
+    return out
+
+
+def _tex_chars(tex: str) -> int:
+    """Roughly how many characters wide a piece of TeX renders (a command is one glyph, sub/superscripts half)."""
+    t = re.sub(r"\\(left|right|big|Big|bigg|Bigg|mathrm|mathbf|mathbb|mathcal|operatorname|text|,|;|quad|qquad)\b", "", tex)
+    t = re.sub(r"\\[A-Za-z]+", "x", t)
+    return len(re.sub(r"[{}\\\s^_&]", "", t))
+
+
+def visible_chars(md: str) -> int:
+    """The characters a reader sees in a piece of Markdown + HTML + inline TeX."""
+    t = re.sub(r"\$([^$]+)\$", lambda m: "x" * _tex_chars(m.group(1)), md)
+    t = re.sub(r"<[^>]+>", "", t)
+    t = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", t)
+    t = re.sub(r"[*_`#]", "", t)
+    return len(" ".join(t.split()))
+
+
+def text_height(md: str, chars: int = TEXT_CHARS, line: float = TEXT_LINE) -> float:
+    return max(1, -(-visible_chars(md) // chars)) * line
+
+
+def math_height(tex: str) -> float:
+    body = tex.strip().strip("$")
+    rows = [r for r in re.split(r"\\\\", body) if r.strip() and not re.fullmatch(r"\s*(\\end\{\w+\*?\}|\\begin\{\w+\*?\})\s*", r)]
+    return MATH_PAD + sum(MATH_ROW + (MATH_TALL if TALL_TEX.search(r) else 0.0) for r in rows or [body])
+
+
+def code_height(lines: list[str]) -> float:
+    return CODE_PAD + sum(max(1, -(-len(x) // CODE_CHARS)) for x in lines) * CODE_LINE
+
+
+def list_items(md: str) -> list[str]:
+    items: list[list[str]] = []
+    for line in md.splitlines():
+        if LIST_ITEM.match(line) or not items:
+            items.append([line])
+        else:
+            items[-1].append(line)
+    return ["\n".join(x) for x in items]
+
+
+def block_height(b: Block) -> float:
+    if b.kind == "heading":
+        return HEADING.get(b.level, TEXT_LINE + PARA_GAP) + (text_height(b.text) - TEXT_LINE if b.level <= 3 else 0)
+    if b.kind == "text":
+        return text_height(b.text) + PARA_GAP
+    if b.kind == "list":
+        return PARA_GAP + sum(text_height(it, TEXT_CHARS - 4) + 6 for it in list_items(b.text))
+    if b.kind == "math":
+        return math_height(b.text)
+    if b.kind == "code":
+        return code_height(b.text.splitlines()[1:-1])
+    return BOX_PAD + text_height(b.text) + sum(block_height(c) for c in b.children)
+
+
+def _png_size(data: str) -> tuple[int, int] | None:
+    import base64
+    import struct
+
+    try:
+        raw = base64.b64decode(data[:64] + "=" * (-len(data[:64]) % 4))
+    except ValueError:
+        return None
+    return struct.unpack(">II", raw[16:24]) if raw[:8] == b"\x89PNG\r\n\x1a\n" else None
+
+
+def is_figure(output: dict) -> bool:
+    data = output.get("data", {})
+    return "curvlab-figure" in data.get("text/html", "") or ("image/png" in data and "text/html" not in data)
+
+
+def output_height(output: dict) -> float:
+    """Estimated height of a non-figure output."""
+    if output.get("output_type") == "stream":
+        return code_height(output.get("text", "").rstrip("\n").splitlines())
+    data = output.get("data", {})
+    if "text/html" in data:
+        h = data["text/html"]
+        if h.lstrip().startswith("<details"):  # a collapsed check table: its summary line
+            return TEXT_LINE + PARA_GAP
+        rows = len(re.findall(r"<tr\b", h))
+        if rows:
+            return 40.0 + rows * 34.0
+        return text_height(re.sub(r"<style.*?</style>", "", h, flags=re.S)) + PARA_GAP
+    if "text/latex" in data:
+        return math_height(data["text/latex"])
+    if "text/plain" in data:
+        return code_height(data["text/plain"].splitlines())
+    return TEXT_LINE
+
+
+@dataclass
+class Slide:
+    kind: str  # slide (a new section, horizontal) | subslide (below the previous one)
+    title: str | None  # the section's heading text, repeated small on continuation slides
+    items: list[tuple[str, Any]] = field(default_factory=list)  # ("md", text) | ("code", source) | ("out", output)
+    height: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    content: bool = False  # holds more than its heading
+    closed: bool = False  # a figure: what follows goes on the next slide
+
+
+class DeckLayout:
+    """Packs a chapter's blocks and outputs into slides of at most ``budget`` estimated pixels.
+
+    ``#``/``##`` start a slide, ``###`` a slide below it; content that does not fit continues on a slide below,
+    titled like its section; a theorem, proof or exercise box starts its own slide (split over several when
+    long, its head repeated); every figure gets a slide of its own, scaled to the room left; a long code listing is
+    split between lines, a long list between items, a long paragraph between sentences. What follows a box may
+    share its slide when it fits."""
+
+    def __init__(self, budget: float = BUDGET) -> None:
+        self.budget = budget
+        self.slides: list[Slide] = []
+        self.title: str | None = None
+
+    @property
+    def cur(self) -> Slide | None:
+        return self.slides[-1] if self.slides else None
+
+    def new(self, kind: str = "subslide", continuation: bool = True) -> Slide:
+        s = Slide(kind if self.slides else "slide", self.title)
+        self.slides.append(s)
+        if continuation and self.title:
+            s.items.append(("md", f'<p class="curvlab-cont">{html.escape(self.title, quote=False)}</p>'))
+            s.height += CONT_TITLE
+        return s
+
+    def place(self, h: float, own: bool = False) -> Slide:
+        s = self.cur
+        if s is None or s.closed or (s.content and (own or s.height + h > self.budget)):
+            s = self.new()
+        return s
+
+    def add_md(self, text: str, h: float, own: bool = False) -> None:
+        s = self.place(h, own)
+        s.items.append(("md", text))
+        s.height += h
+        s.content = True
+
+    def heading(self, b: Block) -> None:
+        text = HEAD.match(b.text).group(2).strip()
+        if b.level > 3:
+            return self.add_md(b.text, block_height(b))
+        self.title = text
+        s = self.new("slide" if b.level <= 2 else "subslide", continuation=False)
+        s.items.append(("md", b.text))
+        s.height += block_height(b)
+
+    def block(self, b: Block) -> None:
+        if b.kind == "heading":
+            return self.heading(b)
+        h = block_height(b)
+        if b.kind == "box":
+            return self.box(b, h)
+        if h <= self.budget - CONT_TITLE:
+            return self.add_md(b.text, h)
+        if b.kind == "code":  # between lines
+            lines = b.text.splitlines()
+            fence, body, close = lines[0], lines[1:-1], lines[-1]
+            chunk: list[str] = []
+            for line in body:
+                if chunk and code_height(chunk + [line]) > self.budget - CONT_TITLE:
+                    self.add_md("\n".join([fence, *chunk, close]), code_height(chunk))
+                    chunk = []
+                chunk.append(line)
+            return self.add_md("\n".join([fence, *chunk, close]), code_height(chunk))
+        parts = list_items(b.text) if b.kind == "list" else re.split(r"(?<=[.;:])\s+(?=[A-Z(])", b.text) if b.kind == "text" else []
+        if len(parts) < 2:
+            return self.add_md(b.text, h)  # one equation or sentence too tall: the slide scrolls
+        acc: list[str] = []
+        for part in parts:
+            joined = ("\n" if b.kind == "list" else " ").join(acc + [part])
+            if acc and self._h(b.kind, joined) > self.budget - CONT_TITLE:
+                text = ("\n" if b.kind == "list" else " ").join(acc)
+                self.add_md(text, self._h(b.kind, text))
+                acc = []
+            acc.append(part)
+        text = ("\n" if b.kind == "list" else " ").join(acc)
+        self.add_md(text, self._h(b.kind, text))
+
+    @staticmethod
+    def _h(kind: str, text: str) -> float:
+        return block_height(Block(kind, text))
+
+    def box(self, b: Block, h: float) -> None:
+        own = any(c in b.open for c in OWN_SLIDE_BOXES)
+        head_h = BOX_PAD + text_height(b.text)
+        room = self.budget - CONT_TITLE
+        if h <= room:
+            return self.add_md(b.markdown(), h, own=own)
+        # too tall for one slide: the box continues on the slides below, its head repeated
+        chunk: list[Block] = []
+        first = True
+
+        def flush() -> None:
+            nonlocal first
+            head = b.text if first else f"{b.text} *(continued)*"
+            part = Block("box", head, open=b.open, children=list(chunk))
+            self.add_md(part.markdown(), head_h + sum(block_height(c) for c in chunk), own=True)
+            first = False
+
+        for c in b.children:
+            ch = block_height(c)
+            if chunk and head_h + sum(block_height(x) for x in chunk) + ch > room:
+                flush()
+                chunk = []
+            chunk.append(c)
+        flush()
+
+    def output(self, out: dict, code: str | None) -> None:
+        if code is not None:  # tagged slide-code: the input, then its outputs
+            lines = code.splitlines()
+            self.block(Block("code", "\n".join(["```python", *lines, "```"])))
+        if is_figure(out):
+            return self.figure(out)
+        h = output_height(out)
+        if h > self.budget - CONT_TITLE:
+            return self.add_md("*(A long output: see this cell in the book.)*", TEXT_LINE + PARA_GAP)
+        s = self.place(h)
+        s.items.append(("out", out))
+        s.height += h
+        s.content = True
+
+    def figure(self, out: dict) -> None:
+        s = self.cur
+        if s is None or s.closed or s.content:
+            s = self.new()
+        data = out.get("data", {})
+        html_fig = data.get("text/html", "")
+        m = re.search(r"data:image/png;base64,([A-Za-z0-9+/=]{64})", html_fig)
+        size = _png_size(m.group(1)) if m else _png_size(data.get("image/png", ""))
+        caption = re.search(r"<figcaption>(.*?)</figcaption>", html_fig, flags=re.S)
+        cap_h = (max(1, -(-visible_chars(caption.group(1)) // CAPTION_CHARS)) * CAPTION_LINE + 16) if caption else 0.0
+        room = self.budget - s.height - cap_h - 12
+        w, hgt = size or (880, 540)
+        img_h = int(max(160, min(room, hgt * min(1.5, CONTENT_W / w))))
+        out = copy.deepcopy(out)
+        if html_fig:
+            out["data"]["text/html"] = re.sub(
+                r'style="max-width:100%"', f'style="height:{img_h}px;width:auto;max-width:100%"', html_fig, count=1
+            )
+        else:
+            out.setdefault("metadata", {})["image/png"] = {"height": img_h}
+        s.items.append(("out", out))
+        s.height += img_h + cap_h + 12
+        s.content = s.closed = True
+
+    def note(self, text: str) -> None:
+        (self.cur or self.new("slide", continuation=False)).notes.append(text)
+
+    def notebook(self, metadata: dict) -> nbformat.NotebookNode:
+        cells = []
+        for s in self.slides:
+            first = True
+            pending: list[str] = []
+
+            def emit(cell: nbformat.NotebookNode) -> None:
+                nonlocal first
+                cell.metadata["slideshow"] = {"slide_type": s.kind if first else "-"}
+                cell.metadata["curvlab_estimate"] = round(s.height)
+                first = False
+                cells.append(cell)
+
+            for kind, payload in s.items + [("end", None)]:
+                if kind == "md":
+                    pending.append(payload)
+                    continue
+                if pending:
+                    emit(nbformat.v4.new_markdown_cell("\n\n".join(pending)))
+                    pending = []
+                if kind == "out":
+                    emit(nbformat.v4.new_code_cell("", outputs=[payload], metadata={"tags": ["remove-input"]}))
+            for text in s.notes:
+                cell = nbformat.v4.new_markdown_cell(text, metadata={"slideshow": {"slide_type": "notes"}})
+                cells.append(cell)
+        nb = nbformat.v4.new_notebook(cells=cells, metadata=metadata)
+        for i, c in enumerate(nb.cells):
+            c.id = f"slide-cell-{i}"
+        return nb
+
+
+def slide_notebook(nb: nbformat.NotebookNode, notebook_dir: Path, bib: Bibliography | None = None,
+                   budget: float = BUDGET) -> nbformat.NotebookNode:
+    """The executed chapter laid out as slides: the notebook the reveal exporter renders.
+
+    Markdown is converted (``MystToSlides``) and split into blocks; code inputs are hidden unless the cell is tagged
+    ``slide-code``; every figure gets its own slide; a Markdown cell tagged ``notes`` becomes the previous slide's
+    speaker notes (it may also carry ``remove-cell``, which keeps it out of the book). Exercise solutions are left
+    out, text and code."""
     conv = MystToSlides(notebook_dir, bib or Bibliography(), nb)
-    kept = []
-    carry: str | None = None  # a dropped cell's slide start moves to the next kept cell
+    deck = DeckLayout(budget)
     for cell in nb.cells:
         tags = set(cell.metadata.get("tags", []))
         stype = cell.metadata.get("slideshow", {}).get("slide_type", "-")
-        drop = "remove-cell" in tags or stype == "skip"
+        if cell.cell_type == "markdown" and NOTES_TAG in tags:
+            text = conv.markdown(cell.source)
+            if text.strip() and not conv.in_solution:
+                deck.note(text)
+            continue
+        if "remove-cell" in tags or stype == "skip":
+            continue
         if cell.cell_type == "markdown":
-            cell.source = conv.markdown(cell.source)
-            drop = drop or not cell.source.strip()
-        elif cell.cell_type == "code":
-            drop = drop or conv.in_solution
-            if "remove-output" in tags:
-                cell.outputs = []
-            cell.outputs = [o for o in cell.outputs if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
-            for o in cell.outputs:  # no live widgets on a slide: keep the static representations
+            for b in split_blocks(conv.markdown(cell.source)):
+                deck.block(b)
+        elif cell.cell_type == "code" and not conv.in_solution:
+            show_code = SLIDE_CODE_TAG in tags and not tags & {"remove-input", "hide-input"}
+            outputs = [] if tags & {"remove-output", "hide-output"} else [
+                o for o in cell.get("outputs", []) if not (o.get("output_type") == "stream" and o.get("name") == "stderr")
+                and o.get("output_type") != "error"
+            ]
+            outputs = [copy.deepcopy(o) for o in outputs]
+            for o in outputs:  # no live widgets on a slide: keep the static representations
                 if "data" in o:
                     o["data"].pop("application/vnd.jupyter.widget-view+json", None)
-            hidden_input = bool(tags & {"remove-input", "hide-input"})
-            drop = drop or ((hidden_input or not cell.source.strip()) and not cell.outputs)
-        else:
-            drop = True
-        if drop:
-            if stype in ("slide", "subslide") and carry != "slide":
-                carry = stype
-            continue
-        if carry and stype in ("-", "fragment"):
-            cell.metadata.setdefault("slideshow", {})["slide_type"] = carry
-        carry = None
-        kept.append(cell)
-    nb.cells = kept
-    nb.metadata.pop("widgets", None)
-    return nb
+            outputs = [o for o in outputs if o.get("output_type") == "stream" or o.get("data")]
+            if show_code and cell.source.strip():
+                deck.block(Block("code", "\n".join(["```python", *cell.source.splitlines(), "```"])))
+            for o in outputs:
+                deck.output(o, None)
+    metadata = {k: v for k, v in nb.metadata.items() if k != "widgets"}
+    return deck.notebook(metadata)
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -419,27 +838,71 @@ Reveal.initialize({
   width: {{ resources.reveal.width }}, height: {{ resources.reveal.height }}, margin: 0.04,
   plugins: [RevealNotes]
 });
+{{ resources.curvlab.fit_js }}
 </script>
 {% endblock footer_js %}
 """
 
+# The deck's own safety net and the measurement the tests use: a slide whose content is taller than the canvas
+# (the layout's estimate was wrong) becomes scrollable instead of being cut off.
+FIT_JS = """
+window.curvlabContentHeight = function (s) {
+  var h = s.style.height; s.style.height = 'auto'; var v = s.scrollHeight; s.style.height = h; return v;
+};
+window.curvlabFit = function (s) {
+  if (s) s.classList.toggle('curvlab-scroll', curvlabContentHeight(s) > Reveal.getConfig().height + 1);
+};
+window.curvlabMeasure = function () {  /* every slide: indices, title, content height in canvas px */
+  var rows = [], here = Reveal.getIndices();
+  Reveal.getSlides().forEach(function (s) {
+    var ix = Reveal.getIndices(s); Reveal.slide(ix.h, ix.v);
+    var t = s.querySelector('h1, h2, h3, .curvlab-cont');
+    rows.push({h: ix.h, v: ix.v || 0, title: t ? t.textContent.trim().slice(0, 80) : '',
+               height: curvlabContentHeight(s), figures: s.querySelectorAll('figure.curvlab-figure img').length,
+               visible_figures: Array.prototype.filter.call(s.querySelectorAll('figure.curvlab-figure img'),
+                 function (im) { var r = im.getBoundingClientRect(); return im.complete && im.naturalWidth > 0 && r.height > 50; }).length,
+               notes: s.querySelectorAll('aside.notes').length});
+  });
+  Reveal.slide(here.h, here.v);
+  return rows;
+};
+function curvlabFitAll() { Reveal.getSlides().forEach(curvlabFit); }
+Reveal.on('ready', function (e) { curvlabFit(e.currentSlide); });
+Reveal.on('slidechanged', function (e) { curvlabFit(e.currentSlide); });
+if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+  MathJax.startup.promise.then(function () { curvlabFit(Reveal.getCurrentSlide()); });
+}
+"""
+
 CSS = """
-:root { --jp-content-font-size1: 25px; --jp-ui-font-size1: 22px; --jp-code-font-size: 17px; --jp-cell-prompt-width: 0px; }
+:root { --jp-content-font-size1: 25px; --jp-ui-font-size1: 22px; --jp-code-font-size: 17px; --jp-cell-prompt-width: 0px;
+        --jp-cell-padding: 0px; }
 .reveal .slides { text-align: left; }
-.reveal .slides > section, .reveal .slides > section > section { height: 100%; overflow-y: auto !important; padding-right: 0.5em; }
-.reveal h1, .reveal h2, .reveal h3 { text-transform: none !important; text-align: left; margin-bottom: 0.4em; }
+.reveal .slides section { box-sizing: border-box; padding: 8px 16px 0 8px; }
+.reveal .slides > section:not(.stack), .reveal .slides > section > section { height: 100%; overflow: hidden; }
+.reveal .slides section.curvlab-scroll { overflow-y: auto !important; }
+.reveal .jp-Cell { padding: 0; }
+.reveal .jp-RenderedHTMLCommon { padding-right: 0; }
+.reveal h1, .reveal h2, .reveal h3 { text-transform: none !important; text-align: left; margin: 0 0 0.4em 0; }
 .reveal h1 { font-size: 1.6em !important; } .reveal h2 { font-size: 1.3em !important; } .reveal h3 { font-size: 1.05em !important; }
-.reveal p, .reveal li { font-size: inherit; line-height: 1.35; }
-.reveal .jp-OutputArea-output pre { max-height: 12em; overflow: auto; }
+.reveal .jp-RenderedHTMLCommon p, .reveal .jp-RenderedHTMLCommon li { font-size: inherit; line-height: 1.35; }
+.reveal .jp-RenderedHTMLCommon p { margin: 0 0 0.6em 0; }
+.reveal .jp-RenderedHTMLCommon ul, .reveal .jp-RenderedHTMLCommon ol { margin: 0 0 0.6em 0; }
+.reveal p.curvlab-cont { color: #555; font-size: 0.8em; border-bottom: 1px solid #ccc; margin: 0 0 0.5em 0; padding-bottom: 0.1em; }
+.reveal p.curvlab-cont::after { content: " (continued)"; font-style: italic; }
+.reveal .jp-OutputArea-output pre { max-height: none; }
 .reveal .jp-InputPrompt, .reveal .jp-OutputPrompt { display: none; }
 .reveal .jp-RenderedHTMLCommon table { font-size: 0.7em; }
-.reveal figure.curvlab-figure img { max-height: 560px; width: auto; }
-.reveal figure.curvlab-figure figcaption { font-size: 0.75em; }
-.reveal .curvlab-box { border-left: 6px solid #0072B2; background: #f2f7fb; padding: 0.1em 0.8em; margin: 0.4em 0; }
+.reveal figure.curvlab-figure { margin: 0.2em 0; text-align: center; }
+.reveal figure.curvlab-figure img { display: block; margin: 0 auto; }
+.reveal figure.curvlab-figure figcaption { font-size: 0.75em; line-height: 1.3; text-align: left; margin-top: 0.3em; }
+.reveal .curvlab-box { border-left: 6px solid #0072B2; background: #f2f7fb; padding: 0.4em 0.8em 0.1em 0.8em; margin: 0.3em 0 0.6em 0; }
+.reveal .curvlab-proof { border-left-color: #999; background: #f7f7f7; }
 .reveal .curvlab-exercise { border-left-color: #009E73; background: #f0faf6; }
-.reveal details.curvlab-proof { margin: 0.3em 0; font-size: 0.9em; }
-.reveal details.curvlab-proof summary { font-style: italic; cursor: pointer; }
-.reveal pre code { max-height: 460px; }
+.reveal mjx-container[display="true"] { margin: 0.4em 0 !important; overflow-x: auto; overflow-y: hidden; }
+.reveal details.curvlab-checks { font-size: 0.8em; }
+.reveal aside.notes { display: none; }
+.reveal .anchor-link { display: none; }
 """
 
 
@@ -504,7 +967,8 @@ def export(nb: nbformat.NotebookNode, static: str, mathjax_name: str) -> str:
         exclude_input_prompt=True,
         exclude_output_prompt=True,
     )
-    resources = {"curvlab": {"macros_json": json.dumps(macros), "static": static, "mathjax_name": mathjax_name, "css": CSS}}
+    resources = {"curvlab": {"macros_json": json.dumps(macros), "static": static, "mathjax_name": mathjax_name, "css": CSS,
+                             "fit_js": FIT_JS}}
     body, _ = exporter.from_notebook_node(nb, resources=resources)
     return body
 
@@ -519,6 +983,37 @@ def index_page(decks: list[tuple[str, str]]) -> str:
     )
 
 
+def book_cache_notebooks(chapters: list[Path], profile: str) -> dict[Path, nbformat.NotebookNode]:
+    """The chapters' outputs from the book's execution cache (``make book`` / ``make test`` fill it; keyed on the
+    library's source and the profile, so stale outputs are never used): chapter -> executed notebook. Figures
+    there are drawn in the book's context, not the projector's. Chapters not in the cache are left out."""
+    from jupyter_cache import get_cache
+
+    cache_dir = Path(curvlab_book.build_environment(profile)["CURVLAB_EXECUTION_CACHE"])
+    if not cache_dir.is_dir():
+        return {}
+    cache = get_cache(str(cache_dir))
+    found = {}
+    for p in chapters:
+        try:
+            _, merged = cache.merge_match_into_notebook(nbformat.read(p, as_version=4))
+        except KeyError:
+            continue
+        found[p] = merged
+    return found
+
+
+def write_deck(chapter: Path, executed: nbformat.NotebookNode, out: Path, static: str, mathjax_name: str,
+               bib: Bibliography | None = None) -> tuple[Path, str, nbformat.NotebookNode]:
+    """Lay out and export one chapter's deck to ``<out>/<stem>.slides.html``; return (path, title, slide notebook)."""
+    nb = slide_notebook(executed, chapter.parent, bib)
+    target = out / f"{chapter.stem}.slides.html"
+    target.write_text(export(nb, static, mathjax_name))
+    first = next((c.source for c in nb.cells if c.cell_type == "markdown"), chapter.stem)
+    title = next((re.sub(r"^#+\s*", "", line) for line in first.splitlines() if line.startswith("#")), chapter.stem)
+    return target, title, nb
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("chapters", nargs="*", help="chapter stems or numbers (default: every chapter in _toc.yml)")
@@ -527,6 +1022,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--force", action="store_true", help="re-execute even when an executed copy is up to date")
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--outputs", choices=("execute", "book-cache"), default="execute",
+                        help="execute: run each chapter in the projector context (default); book-cache: take the "
+                        "outputs of the book's execution cache for the profile, as they are (nothing runs)")
     args = parser.parse_args(argv)
     t0 = time.time()
     chapters = resolve_chapters(args.chapters)
@@ -534,14 +1032,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"slides: {len(chapters)} chapter(s), profile {args.profile}, into {out}", flush=True)
     static, mj = vendor_assets(out)
-    executed = execute_all(chapters, out, args.profile, args.jobs, args.force, args.timeout)
+    if args.outputs == "book-cache":
+        executed = book_cache_notebooks(chapters, args.profile)
+        for p in chapters:
+            if p not in executed:
+                print(f"  {p.stem}: not in the book's execution cache for profile {args.profile} (run make book)", flush=True)
+    else:
+        executed = {p: nbformat.read(path, as_version=4)
+                    for p, path in execute_all(chapters, out, args.profile, args.jobs, args.force, args.timeout).items()}
     bib = Bibliography()
     decks = []
-    for chapter, path in executed.items():
-        nb = slide_notebook(nbformat.read(path, as_version=4), chapter.parent, bib)
-        target = out / f"{chapter.stem}.slides.html"
-        target.write_text(export(nb, static, mj))
-        title = next((re.sub(r"^#\s*", "", c.source.splitlines()[0]) for c in nb.cells if c.cell_type == "markdown"), chapter.stem)
+    for chapter, nb in executed.items():
+        target, title, _ = write_deck(chapter, nb, out, static, mj, bib)
         decks.append((target.name, title))
         print(f"  wrote {target.relative_to(ROOT) if target.is_relative_to(ROOT) else target}", flush=True)
     (out / "index.html").write_text(index_page(decks))
