@@ -908,9 +908,11 @@ class CheckTable:
             tol = "" if r.tolerance is None else f"{r.tolerance:.2g}"
             flag = " <em>(underpowered)</em>" if r.underpowered else ""
             note = r.route if r.kind == "identity" else r.note
+            what = (f'<br/><small class="curvlab-compares">{html.escape(r.compares)} ({html.escape(r.evidence)})</small>'
+                    if r.compares and r.kind != "claim" else "")
             cells = (
                 _ICON.get(r.status, ""),
-                html.escape(r.name) + flag,
+                html.escape(r.name) + flag + what,
                 html.escape(r.kind),
                 html.escape(r.measured),
                 html.escape(r.predicted),
