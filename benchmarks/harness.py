@@ -234,8 +234,48 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: The code a benchmark runs: uncommitted changes under these paths make its numbers unreproducible from the revision.
+CODE_PATHS = ("lib", "benchmarks")
+
+
+def code_revision(root: Path | None = None) -> dict[str, Any]:
+    """The checkout's clean git revision and the uncommitted changes to the code a benchmark runs.
+
+    ``revision``: the short hash of ``HEAD`` (``'unknown'`` outside git), never with a ``+dirty`` suffix;
+    ``uncommitted_changes``: tracked files under :data:`CODE_PATHS` that differ from it (edits elsewhere, to a
+    chapter or a page, do not change what a benchmark measures); ``curvlab_revision``: the revision, followed by
+    ``" + uncommitted changes"`` when there are any (what a one-line report prints).
+    """
+    import subprocess
+
+    where = Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    rev, changed = "unknown", []
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
+                             timeout=5)
+        if out.returncode == 0:
+            rev = out.stdout.strip()
+            st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+                                cwd=where, capture_output=True, text=True, timeout=5)
+            changed = sorted(line[3:].strip() for line in st.stdout.splitlines() if line.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"revision": rev, "uncommitted_changes": changed,
+            "curvlab_revision": rev + (" + uncommitted changes" if changed else "")}
+
+
+def revision_text(m: Mapping[str, Any]) -> str:
+    """The revision as a report cites it: ``rev `abc1234` `` or, explicitly, with the uncommitted files."""
+    rev = m.get("revision", m.get("curvlab_revision", "unknown"))
+    changed = m.get("uncommitted_changes") or []
+    if not changed:
+        return f"curvlab rev `{rev}`"
+    shown = ", ".join(f"`{c}`" for c in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    return f"curvlab rev `{rev}` **with uncommitted changes** to {shown}"
+
+
 def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
-    """CPU model, cores, thread count, versions, device (and GPU name) and the curvlab git revision."""
+    """CPU model, cores, thread count, versions, device (and GPU name) and the curvlab revision (:func:`code_revision`)."""
     dev = config.device() if device is None else torch.device(device)
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
@@ -251,7 +291,7 @@ def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
         "numpy": np.__version__,
         "pandas": pd.__version__,
         "platform": platform.platform(),
-        "curvlab_revision": config.git_revision(),
+        **code_revision(),
         "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -276,7 +316,7 @@ def _markdown(name: str, ratios: pd.DataFrame, machine: Mapping[str, Any], setti
         "",
         f"Machine: {m['cpu_model']}, {m['cores_available']} cores available (torch threads {m['torch_threads']}, "
         f"load average {_fmt(m.get('load_average_1min'), '.2f')} at the start), "
-        f"device {where}; torch {m['torch']}, numpy {m['numpy']}; curvlab rev `{m['curvlab_revision']}`; "
+        f"device {where}; torch {m['torch']}, numpy {m['numpy']}; {revision_text(m)}; "
         f"{m['timestamp_utc']}.",
         "",
         "| size | variant | median time (ms) | time ratio | IQR | 95% CI | peak mem (MiB) | mem ratio |",
@@ -436,7 +476,7 @@ def _scaling_markdown(name: str, fits: pd.DataFrame) -> str:
         "",
         f"Machine: {m['cpu_model']}, {m['cores_available']} cores available (torch threads {m['torch_threads']}, "
         f"load average {_fmt(m.get('load_average_1min'), '.2f')} at the start), device {m['device']}; "
-        f"torch {m['torch']}, numpy {m['numpy']}; curvlab rev `{m['curvlab_revision']}`; {m['timestamp_utc']}.",
+        f"torch {m['torch']}, numpy {m['numpy']}; {revision_text(m)}; {m['timestamp_utc']}.",
         "",
         f"| variant | sizes kept | {x} range | decades | fitted exponent | 95 % interval | expected | verdict |",
         "|---|---:|---|---:|---:|---|---:|---|",
