@@ -158,3 +158,14 @@ def test_lint_reads_ledger_json_and_skips_claims_and_demonstrations(tmp_path, mo
 def test_lint_rejects_bad_input():
     with pytest.raises(TypeError, match="records"):
         checks.lint([1, 2])
+
+
+def test_tolerance_provenance_bad_input():
+    with pytest.raises(ValueError, match="values and reference"):
+        Tolerance.deviation([], reference=1.0, why="w")
+    with pytest.raises(ValueError, match="broadcast"):
+        Tolerance.deviation(np.ones(3), reference=np.ones(2), why="w")
+    with pytest.raises(TypeError, match="from_prediction"):
+        Tolerance.finite_size(0.1, why="w", from_prediction="yes")
+    t = Tolerance.deviation([1.0, 1.5], reference=1.0, why="w") + Tolerance.finite_size(0.1, why="v")
+    assert t.value == pytest.approx(0.6) and len(t._refs()) == 2 and t._refs()[1] is None
