@@ -69,11 +69,18 @@ def test_tolerance_declared_from_prediction_is_rejected():
 
 
 def test_typed_relative_tolerance_is_detected_without_a_flag():
-    x = mc_samples(10.0)
-    checks.derived("typed 5 %", measured=x.mean(), predicted=10.0, foil=20.0,
-                   tol=Tolerance.finite_size(0.05 * abs(10.0), why="looks computed"),
+    checks.derived("typed 5 %", measured=0.85, predicted=0.847, foil=2.0,
+                   tol=Tolerance.finite_size(0.05 * abs(0.847), why="looks computed"),
                    compares="Monte Carlo vs closed form", evidence="evidence")
     assert rules() == ["tolerance from prediction"]
+
+
+def test_round_prediction_with_a_round_computed_tolerance_is_not_flagged():
+    x = mc_samples(1.0)
+    checks.derived("finite size 1/sqrt(100) around 1", measured=x.mean(), predicted=1.0, foil=2.0,
+                   tol=Tolerance.finite_size(1 / np.sqrt(100), why="1/sqrt(d), d = 100"),
+                   compares="Monte Carlo vs closed form", evidence="evidence")
+    assert rules() == []
 
 
 def test_tolerance_fitted_to_the_error_is_detected():

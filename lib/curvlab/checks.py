@@ -781,6 +781,16 @@ def _close(a: float, b: float) -> bool:
     return a > 0 and b > 0 and abs(a - b) <= LINT_RTOL * max(a, b)
 
 
+def _is_round(x: float) -> bool:
+    """``x = c·10^k`` with an integer ``1 <= c <= 99``: a prediction such as 1, 2, 0.5 or 25, whose round fractions a
+    computed tolerance (``1/sqrt(100)``) can equal by coincidence."""
+    if not (x > 0 and math.isfinite(x)):
+        return True
+    k = math.floor(math.log10(x)) - 1
+    c = x / 10.0**k
+    return abs(c - round(c)) <= 1e-9 * c
+
+
 def lint(records: Any) -> list[LintFinding]:
     r"""The derived checks among ``records`` that are not evidence, and why.
 
@@ -794,7 +804,9 @@ def lint(records: Any) -> list[LintFinding]:
        around the predicted value), or (ii) equals the check's own error ``max|measured − predicted|`` (or worst
        bound slack), its foil error or its effect ``max|predicted − foil|`` to :data:`LINT_RTOL` (a tolerance
        fitted to the outcome), or (iii) is not a floating-point term and equals ``r·max|predicted|`` for a typed
-       ratio ``r ∈ {1, 2, 5}·10^k`` (a hand-typed relative tolerance on the prediction).
+       ratio ``r ∈ {1, 2, 5}·10^k`` (a hand-typed relative tolerance on the prediction) — read only when the
+       prediction is not itself a round number (``c·10^k``, ``c`` an integer below 100), where a computed term such
+       as ``1/sqrt(100)`` could equal a round fraction of it by coincidence; declare such a tolerance instead.
     c. **foil within tolerance** — ``effect <= tolerance``: within the tolerance the prediction and its foil are
        the same statement, so the check cannot tell the claim from its negation (whatever side the measurement
        fell on in this run).
@@ -829,7 +841,8 @@ def lint(records: Any) -> list[LintFinding]:
                         if x is not None and _close(v, abs(float(x)))), None)
             if hit:
                 add("tolerance from prediction", f"{label} equals {hit}: the tolerance was fitted to the outcome")
-            elif part.get("kind") != "float" and scale and any(_close(v, q * scale) for q in _ROUND_RATIOS):
+            elif (part.get("kind") != "float" and scale and not _is_round(scale)
+                  and any(_close(v, q * scale) for q in _ROUND_RATIOS)):
                 add("tolerance from prediction", f"{label} is a typed fraction of |predicted| = {scale:.3g}")
         if tol is not None and effect is not None and effect <= tol:
             add("foil within tolerance", f"effect {effect:.3g} <= tolerance {tol:.3g}")
