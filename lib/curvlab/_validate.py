@@ -173,3 +173,20 @@ def check_int_sequence(name: str, value: Any, *, min_value: int | None = None) -
                         f"{type(value).__name__}" if isinstance(value, int) and not isinstance(value, bool)
                         else f"{name} must be a list of integers, got {type(value).__name__}")
     return [check_int(f"{name}[{i}]", v, min_value=min_value) for i, v in enumerate(value)]
+
+
+#: The extra of lib/pyproject.toml that installs what chapters need beyond curvlab's core (``curvlab[book]`` includes it).
+OPTIONAL_EXTRA = "notebooks"
+_PIP_NAMES = {"sklearn": "scikit-learn"}
+
+
+def _require(module: str, *, extra: str = OPTIONAL_EXTRA, purpose: str = "") -> Any:
+    """Import an optional dependency, or raise :class:`ImportError` naming the extra that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        name = _PIP_NAMES.get(module.split(".")[0], module.split(".")[0])
+        raise ImportError(f"{purpose or module} needs {name}, which is not installed: "
+                          f'pip install "curvlab[{extra}]" (the book\'s extra "curvlab[book]" includes it)') from exc

@@ -67,10 +67,11 @@ Model = Callable[[torch.Tensor], torch.Tensor]
 
 def _load_jvp_decompositions_quietly() -> None:
     """Forward-mode AD lazily imports torch's JVP decompositions, which call the deprecated ``torch.jit.script``
-    (a DeprecationWarning from inside torch 2.13, not from user code). Import them once here, with exactly that
-    warning ignored, so notebooks and tests that use :func:`torch.func.jvp` stay warning-free."""
+    (a DeprecationWarning from inside torch 2.13, a FutureWarning from 2.14 on; not from user code). Import them once
+    here, with exactly that warning ignored, so notebooks and tests that use :func:`torch.func.jvp` stay warning-free."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning)
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=category)
         try:
             from torch._decomp import decompositions_for_jvp  # noqa: F401
         except ImportError:  # pragma: no cover - layout of a future torch

@@ -1035,7 +1035,9 @@ def digits(n: int | None = None, *, seed: int = 0, center: bool = False, drop_co
     full set, pixels 0, 32 and 39 are 0 in every image, which makes the uncentred :math:`\hat\Sigma` singular);
     ``center`` subtracts the sample mean of each pixel (chapters 31–32).
     """
-    from sklearn.datasets import load_digits
+    from ._validate import _require
+
+    load_digits = _require("sklearn.datasets", purpose="the digits data (deep_linear.digits)").load_digits
 
     data = load_digits()
     X = torch.as_tensor(data.data, dtype=dtype) / 16.0

@@ -20,8 +20,10 @@ drawing function:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,16 +33,23 @@ __all__ = ["explore", "live_available"]
 
 
 def live_available() -> bool:
-    """True when widgets can be shown: not in a book build, inside an IPython kernel, with ipywidgets installed."""
+    """True when widgets can be shown: not in a book build, inside an IPython kernel, with ipywidgets installed.
+
+    In a kernel without ipywidgets it warns (once), naming the extra that installs them, and the figures are static."""
     if in_book_build():
         return False
     try:
-        import ipywidgets  # noqa: F401
         from IPython import get_ipython
     except ImportError:
         return False
     shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
+    if shell is None or not hasattr(shell, "kernel"):
+        return False
+    if importlib.util.find_spec("ipywidgets") is None:
+        warnings.warn('sliders need ipywidgets, which is not installed: pip install "curvlab[notebooks]" (the book\'s '
+                      'extra "curvlab[book]" includes it); showing the static figure instead', UserWarning, stacklevel=3)
+        return False
+    return True
 
 
 def _values(name: str, values: Any) -> list[Any]:
@@ -144,7 +153,9 @@ def _static(fn, values, start, static, alt, caption, panel_size, max_cols):
 
 
 def _live(fn, values, start, panel_size):
-    import ipywidgets as widgets
+    from curvlab._validate import _require
+
+    widgets = _require("ipywidgets", purpose="sliders (curvlab.interact.explore with mode='live')")
     import matplotlib.pyplot as plt
     from IPython.display import display
 

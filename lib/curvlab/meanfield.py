@@ -1220,7 +1220,9 @@ def load_digits_data(seeds: Sequence[int] = (0,), *, n: int = 1000, n_test: int 
     0 in every image dropped (:math:`d=61`), one-hot targets (squared loss on the 10 outputs, as in the review's MNIST
     protocol); a seeded split into ``n`` training and ``n_test`` test images (default: the rest), one per seed."""
     act = _check_act(act)
-    from sklearn.datasets import load_digits
+    from ._validate import _require
+
+    load_digits = _require("sklearn.datasets", purpose="the digits data (load_digits_data)").load_digits
 
     X, labels = load_digits(return_X_y=True)
     keep = X.std(axis=0) > 0
