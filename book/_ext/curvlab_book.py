@@ -344,6 +344,8 @@ def evidence_class(r: dict[str, Any], lint_rules: list[str] | None = None) -> st
     """How the ledger counts a derived check: evidence, consistency, unclassified, or not evidence (lint rules)."""
     if r.get("kind") == "claim":
         return ""
+    if r.get("status") == "rejected as intended":
+        return "demonstration (a wrong prediction, not counted)"
     ev = r.get("evidence", "")
     broken = [x for x in (lint_rules or []) if x != "unclassified"]
     if ev not in ("evidence", "consistency"):
