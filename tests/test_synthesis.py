@@ -248,3 +248,56 @@ def test_stack_problems():
         sy.stack_problems(a)
     with pytest.raises(ValueError, match="share"):
         sy.stack_problems([a, linrep.linrep_problem(1, d=7, k=2, d_y=3, kappa_x=3.0)])
+
+
+def _ce_point(c, k, d=5, n=60, seed=12, tau=1.0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d, generator=g, dtype=D64)
+    G = torch.randn(k, d, generator=g, dtype=D64)
+    F = tau * torch.randn(c, k, generator=g, dtype=D64)
+    return X, F, G
+
+
+@pytest.mark.parametrize("c,k", [(2, 1), (3, 2), (4, 3), (3, 4), (3, 6)])
+def test_ce_spectrum_is_one_two_when_k_at_least_c_minus_1(c, k):
+    X, F, G = _ce_point(c, k)
+    e, cond = sy.ce_kfac_spectrum(X, F, G)
+    pred = sy.ce_kfac_spectrum_prediction(X.shape[1], k, c)
+    assert e.shape == pred.shape
+    assert float((e - pred).abs().max()) <= 1e3 * np.finfo(float).eps * len(e) * cond
+
+
+def test_ce_spectrum_against_dense_reference():
+    """The preconditioned spectrum from an independently formed GGN (explicit per-sample Jacobians)."""
+    X, F, G = _ce_point(4, 1)
+    k, d, c = 1, X.shape[1], 4
+    Z = X @ G.T @ F.T
+    P = torch.softmax(Z, -1)
+    Jg = torch.einsum("ak,id->iakd", F, X).reshape(X.shape[0], c, k * d)           # d z / d vec G
+    Jf = torch.einsum("ab,ik->iabk", torch.eye(c, dtype=D64), X @ G.T).reshape(X.shape[0], c, c * k)
+    J = torch.cat([Jg, Jf], -1)
+    Lam = torch.diag_embed(P) - P[:, :, None] * P[:, None, :]
+    H = torch.einsum("iap,iab,ibq->pq", J, Lam, J) / X.shape[0]
+    ref = sy.block_preconditioned_spectrum(H, [H[: k * d, : k * d], H[k * d:, k * d:]])
+    e, _ = sy.ce_kfac_spectrum(X, F, G)
+    assert torch.allclose(e, ref, atol=1e-10)
+    # k = c - 3 at unit scale: the spectrum leaves {1, 2}; near uniform predictions it returns to it
+    assert sy.distance_from_one_two(e, int((e > 1e-8).sum())) > 0.05
+    e0, _ = sy.ce_kfac_spectrum(*_ce_point(4, 1, tau=1e-5))
+    assert sy.distance_from_one_two(e0, int((e0 > 1e-12).sum())) < 1e-3
+
+
+def test_ce_bad_inputs():
+    X, F, G = _ce_point(3, 2)
+    with pytest.raises(ValueError, match="k must be >= c - 1"):
+        sy.ce_kfac_spectrum_prediction(5, 1, 3)
+    with pytest.raises(ValueError, match="c must be >= 2"):
+        sy.ce_kfac_spectrum_prediction(5, 1, 1)
+    with pytest.raises(ValueError, match="F must have k"):
+        sy.ce_kfac_spectrum(X, F[:, :1], G)
+    with pytest.raises(ValueError, match="X must have d"):
+        sy.ce_kfac_spectrum(X[:, :3], F, G)
+    with pytest.raises(ValueError, match="rank"):
+        sy.distance_from_one_two(torch.ones(3), 4)
+    with pytest.raises(ValueError, match="1-D"):
+        sy.distance_from_one_two(torch.ones(3, 3), 1)

@@ -24,7 +24,8 @@ K-FAC's factors, and the best Kronecker product (:func:`nearest_kronecker`), are
 :mod:`curvlab.linrep`; :func:`tail_rate` measures a contraction rate from a trace, with an a-posteriori error.
 
 **Probes of open questions** (exploratory): :func:`minibatch_gn` (mini-batch GN in the mean-field model),
-:func:`softmax_ggn` (the GGN of the cross-entropy loss), :func:`linrep_layer_probe` (Muon and SOAP on the
+:func:`softmax_ggn` (the GGN of the cross-entropy loss; :func:`ce_kfac_spectrum` preconditions it by its blocks,
+:func:`ce_kfac_spectrum_prediction` is the :math:`k\ge c-1` case), :func:`linrep_layer_probe` (Muon and SOAP on the
 representation layer), :func:`giant_step_probe` (one giant step against several small ones) and
 :func:`gn_layer_movement` (how a GN step splits between the layers under NTK and µP scalings).
 """
@@ -59,6 +60,9 @@ __all__ = [
     "linrep_layer_probe",
     "giant_step_probe",
     "gn_layer_movement",
+    "ce_kfac_spectrum",
+    "ce_kfac_spectrum_prediction",
+    "distance_from_one_two",
 ]
 
 
@@ -492,3 +496,73 @@ def gn_layer_movement(m: int, param, *, d: int = 8, n: int = 40, seed: int = 0, 
     return dict(m=m, param=p.name, move_W=float(h * D.W.norm() / (h * P0.W.norm())),
                 move_v=float(s * D.v.norm() / (s * P0.v.norm())),
                 residual_ratio=float(r1.norm() / r.norm()))
+
+
+# ============================================================================================ cross-entropy GGN
+def ce_kfac_spectrum(X, F, G, rtol: float | None = None) -> tuple[torch.Tensor, float]:
+    r"""The exactly block-preconditioned GGN of the mean cross-entropy loss of :math:`f(x) = FGx`
+    (:math:`c` classes, :math:`F\in\R^{c\times k}`, :math:`G\in\R^{k\times d}`, :math:`\theta = [\operatorname{vec}G;
+    \operatorname{vec}F]`): the GGN :math:`\frac1n\sum_iJ_i^\top\Lambda_iJ_i` by :func:`softmax_ggn` (``torch.func``),
+    preconditioned by its own two diagonal blocks (:func:`block_preconditioned_spectrum`, pseudo-inverses: every
+    softmax Hessian :math:`\Lambda_i` annihilates :math:`\mathbf 1`, so the :math:`F`-block is singular).
+
+    Returns the spectrum (descending, ``(p,)``) and the largest condition number of a block on its range, which
+    sets the rounding error of the spectrum. Chapter 40, the cross-entropy probe."""
+    X = _f64("X", X)
+    F, G = _f64("F", F), _f64("G", G)
+    if F.shape[1] != G.shape[0]:
+        raise ValueError(f"F must have k = {G.shape[0]} columns (G is {tuple(G.shape)}), got {tuple(F.shape)}")
+    if X.shape[1] != G.shape[1]:
+        raise ValueError(f"X must have d = {G.shape[1]} columns (G is {tuple(G.shape)}), got {tuple(X.shape)}")
+    if F.shape[0] < 2:
+        raise ValueError(f"F must have c >= 2 rows (classes), got {F.shape[0]}")
+    k, d, c = G.shape[0], G.shape[1], F.shape[0]
+    logits = lambda th: X @ th[: k * d].reshape(k, d).T @ th[k * d:].reshape(c, k).T   # noqa: E731
+    H = softmax_ggn(logits, torch.cat([G.reshape(-1), F.reshape(-1)]))
+    blocks = [H[: k * d, : k * d], H[k * d:, k * d:]]
+    conds = []
+    for B in blocks:
+        ev = torch.linalg.eigvalsh(B)
+        tol = (default_rtol(B.shape[0]) if rtol is None else rtol) * float(ev[-1])
+        conds.append(float(ev[-1] / ev[ev > tol][0]))
+    return block_preconditioned_spectrum(H, blocks, rtol), max(conds)
+
+
+def ce_kfac_spectrum_prediction(d: int, k: int, c: int) -> torch.Tensor:
+    r"""The block-preconditioned cross-entropy GGN spectrum of :func:`ce_kfac_spectrum` when :math:`k\ge c-1`
+    (chapter 40), at a generic point (:math:`\operatorname{colsp}F + \operatorname{span}\mathbf 1 = \R^c`,
+    :math:`G\hat\Sigma G^\top` of rank :math:`r_G = \min(k, d)`, :math:`\hat\Sigma\succ0`), for *any* softmax
+    Hessians :math:`\Lambda_i`:
+
+    .. math::
+
+        \underbrace{2,\dots,2}_{(c-1)r_G},\quad \underbrace{1,\dots,1}_{(c-1)(d-r_G)},\quad
+        \underbrace{0,\dots,0}_{\text{rest of } p = kd + ck}.
+
+    Modulo :math:`\mathbf 1` (which every :math:`\Lambda_i` annihilates) the head's output range
+    :math:`\{AGx_i\}` lies inside the representation's :math:`\{FBx_i\}`, so the two projectors commute whatever the
+    metric. For :math:`k\le c-2` there is no such formula: the spectrum leaves :math:`\{1, 2\}` once the
+    :math:`\Lambda_i` differ between samples, and a ``ValueError`` says so."""
+    d, k, c = (check_int(n, v, min_value=1) for n, v in (("d", d), ("k", k), ("c", c)))
+    if c < 2:
+        raise ValueError(f"c must be >= 2 classes, got {c}")
+    if k < c - 1:
+        raise ValueError(f"k must be >= c - 1 = {c - 1} for the {{1, 2}} spectrum, got k={k}: with k <= c - 2 the "
+                         "head's range is not inside the representation's and the spectrum leaves {1, 2}")
+    r_G = min(k, d)
+    twos, ones = (c - 1) * r_G, (c - 1) * (d - r_G)
+    p = k * d + c * k
+    return torch.tensor([2.0] * twos + [1.0] * ones + [0.0] * (p - twos - ones), dtype=torch.float64)
+
+
+def distance_from_one_two(spectrum, rank: int) -> float:
+    r"""The largest distance of the ``rank`` largest eigenvalues of ``spectrum`` (descending) from :math:`\{1, 2\}`:
+    :math:`\max_{i\le r}\min(|\lambda_i - 1|, |\lambda_i - 2|)` (chapter 40)."""
+    e = as_tensor("spectrum", spectrum, dtype=torch.float64)
+    if e.dim() != 1:
+        raise ValueError(f"spectrum must be a 1-D tensor of eigenvalues, got shape {tuple(e.shape)}")
+    rank = check_int("rank", rank, min_value=1)
+    if rank > e.numel():
+        raise ValueError(f"rank must be <= the number of eigenvalues {e.numel()}, got {rank}")
+    top = e[:rank]
+    return float(torch.minimum((top - 1).abs(), (top - 2).abs()).max())
