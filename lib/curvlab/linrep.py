@@ -992,3 +992,72 @@ def run_looped(method: str, problem: LinRepProblem, n_steps: int, batch_size: in
         g = generator if generator is not None else torch.Generator(device=problem.device).manual_seed(generator_seed + s)
         outs.append(run(method, sub, n_steps, batch_size, hp, init=st, record_every=record_every, generator=g))
     return {key: torch.cat([o[key] for o in outs], dim=0) for key in outs[0]}
+
+
+# ============================================================================================ noise floors (chapter 10)
+def _floor_inputs(name: str, F, Gstar, Sigma, noise, n) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int]:
+    F = as_tensor(name, F, dtype=torch.float64)
+    Gstar = as_tensor("Gstar", Gstar, dtype=torch.float64)
+    Sigma = as_tensor("Sigma", Sigma, dtype=torch.float64)
+    if F.dim() < 2 or Gstar.dim() < 2 or Sigma.dim() < 2:
+        raise ValueError(f"{name}, Gstar and Sigma must be matrices (optionally batched)")
+    k, d = Gstar.shape[-2:]
+    if F.shape[-1] != k:
+        raise ValueError(f"{name} must have k = {k} columns (Gstar is {tuple(Gstar.shape[-2:])}), got {tuple(F.shape[-2:])}")
+    if Sigma.shape[-2:] != (d, d):
+        raise ValueError(f"Sigma must be {d} x {d} (d = Gstar's columns), got {tuple(Sigma.shape[-2:])}")
+    noise = check_nonnegative("noise", noise)
+    n = check_int("n", n, min_value=1)
+    if n <= d + 1:
+        raise ValueError(f"n must exceed d + 1 = {d + 1} (the mean of an inverse Wishart matrix), got {n}")
+    return F, Gstar, Sigma, noise, n
+
+
+def _floor(F, Gstar, Sigma, noise: float, n: int) -> torch.Tensor:
+    d = Gstar.shape[-1]
+    Pi = torch.eye(d, dtype=torch.float64) - Gstar.transpose(-2, -1) @ Gstar
+    tr_F = torch.linalg.inv(F.transpose(-2, -1) @ F).diagonal(dim1=-2, dim2=-1).sum(-1)
+    tr_S = (Pi @ torch.linalg.inv(Sigma)).diagonal(dim1=-2, dim2=-1).sum(-1)
+    return noise**2 * tr_F * tr_S / (n - d - 1)
+
+
+def floor_variance_fixed_head(F0, Gstar, Sigma, noise: float, n: int) -> torch.Tensor:
+    r"""Per-step variance :math:`v` of K-FAC's forcing term with a fixed head :math:`F_0` (chapter 10,
+    *The noise floor of K-FAC*): Gaussian inputs, :math:`\lambda_F = \lambda_G = 0`,
+
+    .. math:: v = \frac{\sigma_\varepsilon^2\,\operatorname{tr}\big((F_0^\top F_0)^{-1}\big)\,
+              \operatorname{tr}\big(\Pi_\perp\Sigma^{-1}\big)}{n-d-1},
+
+    so that the stationary :math:`\mathbb{E}\lVert G_t\Pi_\perp\rVert_F^2 = \frac{\eta_G}{2-\eta_G}v`
+    (:func:`noise_floor`). Exact for any :math:`\sigma_\varepsilon`. Batched over leading dimensions."""
+    return _floor(*_floor_inputs("F0", F0, Gstar, Sigma, noise, n))
+
+
+def floor_variance_refit_head(Fstar, Gstar, Sigma, noise: float, n: int) -> torch.Tensor:
+    r"""Per-step variance :math:`v` of K-FAC's forcing term with the least-squares head re-fitted on each step's batch,
+    in the tangent coordinates :math:`Z = (GG_\star^\top)^{-1}G\Pi_\perp` (:func:`tangent_norm2`; the singular values
+    of :math:`Z` are the tangents of the principal angles), to leading order in :math:`\sigma_\varepsilon^2`
+    (chapter 10, *The floor with a re-fitted head*):
+
+    .. math:: v = \frac{\sigma_\varepsilon^2\,\operatorname{tr}\big((F_\star^\top F_\star)^{-1}\big)\,
+              \operatorname{tr}\big(\Pi_\perp\Sigma^{-1}\big)}{n-d-1},
+
+    the fixed-head formula with the true head :math:`F_\star` in place of :math:`F_0`; the stationary
+    :math:`\mathbb{E}\lVert Z_t\rVert_F^2 = \frac{\eta_G}{2-\eta_G}v\,(1 + O(\sigma_\varepsilon^2))`."""
+    return _floor(*_floor_inputs("Fstar", Fstar, Gstar, Sigma, noise, n))
+
+
+def tangent_norm2(G, Gstar) -> torch.Tensor:
+    r""":math:`\lVert Z\rVert_F^2` with :math:`Z = (GG_\star^\top)^{-1}G\Pi_\perp`: the sum of :math:`\tan^2` of the
+    principal angles between :math:`\operatorname{rowsp}G` and :math:`\operatorname{rowsp}G_\star` (orthonormal rows),
+    free of the scale and rotation :math:`GG_\star^\top` of the representation (chapter 10). Batched."""
+    G = as_tensor("G", G, dtype=torch.float64)
+    Gstar = as_tensor("Gstar", Gstar, dtype=torch.float64)
+    if G.dim() < 2 or G.shape[-2:] != Gstar.shape[-2:]:
+        raise ValueError(f"G must have Gstar's shape {tuple(Gstar.shape[-2:])} (k x d), got {tuple(G.shape)}")
+    A = G @ Gstar.transpose(-2, -1)
+    E = G - A @ Gstar
+    return torch.linalg.solve(A, E).square().sum((-2, -1))
+
+
+__all__ += ["floor_variance_fixed_head", "floor_variance_refit_head", "tangent_norm2"]
