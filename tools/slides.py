@@ -9,18 +9,25 @@
    library's source and the profile (the same key as the book's execution cache), so a rerun re-executes only
    what changed. The chapters' check records go to ``<out>/.ledger/``, never into the book's ledger.
 2. **Convert** the MyST Markdown the book's extensions render (theorem blocks, proofs, exercises, gated
-   solutions, ``literalinclude``, citations, cross-references) into plain Markdown + HTML that a slide can show:
-   theorem-like blocks become boxes with their status, proofs collapse into ``<details>``, exercises are shown
-   and their **solutions left out** (text and code), ``literalinclude`` inlines the library function, citations
-   become "Author (year)" with a reference list on the last slide.
-3. **Export** with nbconvert's reveal template, its CDN links replaced: reveal.js comes from the PyPI package
-   ``sphinx-revealjs`` (which vendors reveal.js 5) and MathJax 3 from ``django-static-mathjax`` (as in the
-   book), both copied into ``<out>/_static/``. The decks work offline: ``tests/test_lecture_kit.py`` fails on
-   any ``http(s)`` script or stylesheet in the output. The notation macros of ``book/macros.yml`` are given to
-   MathJax, as in the book.
+   solutions, ``literalinclude``, citations, cross-references, labelled equations) into plain Markdown + HTML that
+   a slide can show: theorem-like blocks become boxes with their status, proofs open boxes, exercises are shown and
+   their **solutions left out** (text and code), ``literalinclude`` inlines the library function, citations become
+   "Author (year)" with a reference list decoded from BibTeX to Unicode.
+3. **Lay out** the slides (``DeckLayout``) from an estimate of each block's rendered height on the 1280 x 800
+   canvas: ``#``/``##`` start a slide, ``###`` one below it; a section longer than a slide continues on slides
+   below, titled like it, split between paragraphs, sentences, list items, code lines or a box's blocks; a theorem,
+   proof or exercise box starts its own slide; **every figure gets a slide of its own**, scaled to the room left;
+   code inputs are hidden unless the cell is tagged ``slide-code``; a Markdown cell tagged ``notes`` becomes the
+   previous slide's speaker notes (``s`` in the deck). A slide that still overflows in the browser scrolls.
+   ``tests/test_slides.py`` checks every chapter's layout and renders one deck in headless Chromium.
+4. **Export** with nbconvert's reveal template, its CDN links replaced: reveal.js (with its notes plugin) comes
+   from the PyPI package ``sphinx-revealjs`` (which vendors reveal.js 5) and MathJax 3 from
+   ``django-static-mathjax`` (as in the book), both copied into ``<out>/_static/``. The decks work offline:
+   ``tests/test_lecture_kit.py`` fails on any ``http(s)`` script or stylesheet in the output. The notation macros
+   of ``book/macros.yml`` are given to MathJax, as in the book.
 
-Slide boundaries come from the cells' ``slideshow`` metadata, which ``tools/nbtool.py normalize`` sets by the
-rules of ``book/conventions.md`` (section *Slides*).
+``--outputs book-cache`` skips step 1 and takes the outputs of the book's execution cache for the profile (what
+``make book`` left; figures then in the book's context, not the projector's).
 """
 
 from __future__ import annotations
@@ -601,6 +608,13 @@ class DeckLayout:
         self.budget = budget
         self.slides: list[Slide] = []
         self.title: str | None = None
+        self.lead_in: tuple[str, float] | None = None  # a short line ("**What you will learn**") kept with what follows
+
+    def flush(self) -> None:
+        if self.lead_in is not None:
+            lead, lead_h = self.lead_in
+            self.lead_in = None
+            self.add_md(lead, lead_h)
 
     @property
     def cur(self) -> Slide | None:
@@ -621,7 +635,14 @@ class DeckLayout:
         return s
 
     def add_md(self, text: str, h: float, own: bool = False) -> None:
-        s = self.place(h, own)
+        if self.lead_in is not None:  # a lead-in line goes to the slide of what it introduces
+            lead, lead_h = self.lead_in
+            self.lead_in = None
+            s = self.place(h + lead_h, own)
+            s.items.append(("md", lead))
+            s.height += lead_h
+        else:
+            s = self.place(h, own)
         s.items.append(("md", text))
         s.height += h
         s.content = True
@@ -637,9 +658,15 @@ class DeckLayout:
 
     def block(self, b: Block) -> None:
         if b.kind == "heading":
+            self.flush()
             return self.heading(b)
         h = block_height(b)
+        if b.kind == "text" and "\n" not in b.text.strip() and visible_chars(b.text) <= 80 and self.lead_in is None:
+            self.lead_in = (b.text, h)
+            return None
         if b.kind == "box":
+            if any(c in b.open for c in OWN_SLIDE_BOXES):
+                self.flush()
             return self.box(b, h)
         if h <= self.budget - CONT_TITLE:
             return self.add_md(b.text, h)
@@ -696,10 +723,8 @@ class DeckLayout:
             chunk.append(c)
         flush()
 
-    def output(self, out: dict, code: str | None) -> None:
-        if code is not None:  # tagged slide-code: the input, then its outputs
-            lines = code.splitlines()
-            self.block(Block("code", "\n".join(["```python", *lines, "```"])))
+    def output(self, out: dict) -> None:
+        self.flush()
         if is_figure(out):
             return self.figure(out)
         h = output_height(out)
@@ -735,9 +760,11 @@ class DeckLayout:
         s.content = s.closed = True
 
     def note(self, text: str) -> None:
+        self.flush()
         (self.cur or self.new("slide", continuation=False)).notes.append(text)
 
     def notebook(self, metadata: dict) -> nbformat.NotebookNode:
+        self.flush()
         cells = []
         for s in self.slides:
             first = True
@@ -805,7 +832,7 @@ def slide_notebook(nb: nbformat.NotebookNode, notebook_dir: Path, bib: Bibliogra
             if show_code and cell.source.strip():
                 deck.block(Block("code", "\n".join(["```python", *cell.source.splitlines(), "```"])))
             for o in outputs:
-                deck.output(o, None)
+                deck.output(o)
     metadata = {k: v for k, v in nb.metadata.items() if k != "widgets"}
     return deck.notebook(metadata)
 
