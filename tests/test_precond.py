@@ -432,3 +432,26 @@ def test_run_protocol_uses_oracle_steps_and_tuning(problem):
     torch.testing.assert_close(losses, expected)
     with pytest.raises(ValueError, match="method"):
         P.run_protocol("SGD", problem, 3, [0.1], tune_seeds=[0])
+
+
+# ----------------------------------------------------------------------------------------------- consistency (chapter 02)
+def test_consistency_kfac_and_ngd_solve_in_one_step():
+    """Consistency, not evidence (chapter 02 shows these in its figure, and checks the directions against torch.func):
+    on a Kronecker problem K-FAC at eta = 1 is Newton's step, and NGD at eta = 1 is Newton's step on any problem."""
+    kron_prob = P.layer_problem(2, n=30, d=5, m=3, d_y=4, frac2=0.0, seed=4)
+    mixed = P.layer_problem(2, n=30, d=5, m=3, d_y=4, frac2=0.3, seed=4)
+    assert float(P.run("K-FAC", kron_prob, 1, 1.0)[0, :, 1].max()) < 1e-20
+    assert float(P.run("NGD", mixed, 1, 1.0)[0, :, 1].max()) < 1e-20
+    assert float(P.run("K-FAC", mixed, 1, 1.0)[0, :, 1].min()) > 1e-6      # the gap of the lemma
+
+
+def test_kfac_gap_is_the_lemma_and_errors():
+    mixed = P.layer_problem(2, n=20, d=4, m=2, d_y=3, frac2=0.25, seed=2)
+    C_out, C_in = mixed.kfac_factors()
+    torch.testing.assert_close(P.kfac_gap(mixed, 5), mixed.H - linalg.kron(C_out, C_in))
+    exact = P.layer_problem(1, n=20, d=4, m=2, d_y=3, frac2=0.0)
+    assert float(P.kfac_gap(exact, 0).abs().max()) == 0.0
+    with pytest.raises(ValueError, match="n2"):
+        P.kfac_gap(mixed, 21)
+    with pytest.raises(TypeError, match="LayerProblem"):
+        P.kfac_gap(mixed.H, 5)

@@ -86,6 +86,7 @@ __all__ = [
     "linear_rate",
     "run_protocol",
     "preconditioned_loss_curve",
+    "kfac_gap",
 ]
 
 
@@ -875,3 +876,28 @@ def preconditioned_loss_curve(H, precond, e0, eta, n_steps: int) -> torch.Tensor
     t = torch.arange(T + 1, dtype=torch.float64, device=lam.device)
     factors = (1 - eta * lam)[..., None, :] ** (2 * t[:, None])
     return 0.5 * (factors * (lam * e_rot**2)[..., None, :]).sum(-1)
+
+
+def kfac_gap(problem: LayerProblem, n2: int) -> torch.Tensor:
+    r"""The gap :math:`H_{\mathrm{GN}} - C_{\mathrm{out}}\otimes C_{\mathrm{in}}` predicted by chapter 02's lemma for a
+    two-group :class:`LayerProblem` whose last ``n2`` samples form group 2 (as :func:`layer_problem` builds it):
+
+    .. math:: \nu_1\nu_2\,(B_1 - B_2)\otimes(\hat\Sigma_1 - \hat\Sigma_2),\qquad
+              B_k = V_k^\top V_k,\quad \hat\Sigma_k = X_k^\top X_k/n_k,\quad \nu_k = n_k/n,
+
+    computed from the groups' heads and inputs only (never from :math:`H_{\mathrm{GN}}`). ``(S, md, md)``."""
+    if not isinstance(problem, LayerProblem):
+        raise TypeError(f"problem must be a LayerProblem, got {type(problem).__name__}")
+    n = problem.X.shape[-2]
+    n2 = check_int("n2", n2, min_value=0)
+    if n2 > n:
+        raise ValueError(f"n2 must be at most the number of samples n = {n}, got {n2}")
+    if n2 in (0, n):
+        p = problem.H.shape[-1]
+        return torch.zeros(problem.X.shape[0], p, p, dtype=problem.X.dtype, device=problem.X.device)
+    out = []
+    for g in (slice(0, n - n2), slice(n - n2, n)):
+        V, X = problem.heads[:, g][:, 0], problem.X[:, g]
+        out.append((V.transpose(-2, -1) @ V, X.transpose(-2, -1) @ X / X.shape[-2]))
+    (B1, S1), (B2, S2) = out
+    return (n - n2) / n * n2 / n * linalg.kron(B1 - B2, S1 - S2)
