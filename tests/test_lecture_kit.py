@@ -148,6 +148,22 @@ def test_student_notebook_leaves_every_solution_out(sidecar):
                     assert line.strip() not in text, f"solution code of {label} leaked: {line.strip()!r}"
     assert "{solution" not in text and "{exercise" not in text
     assert "student-stub" in text and "TODO" in text
+    for label, spec in specs.items():  # the spec's teacher code (answers the solution does not bind) stays out too
+        for name, answer in spec["answers"].items():
+            for line in str(answer.get("teacher", "")).splitlines():
+                if len(line.strip()) > 25:
+                    assert line.strip() not in text, f"teacher code of {label}.{name} leaked: {line.strip()!r}"
+
+
+@pytest.mark.parametrize("stored", STORED, ids=lambda p: p.stem)
+def test_student_notebook_defines_the_macros_before_any_formula(stored):
+    import yaml
+
+    nb = nbformat.read(stored, as_version=4)
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and "student-notation" in first.metadata.get("tags", [])
+    for name in yaml.safe_load((ROOT / "book" / "macros.yml").read_text()):
+        assert f"\\newcommand{{\\{name}}}" in first.source, f"\\{name} is not defined in the first cell"
 
 
 @pytest.mark.parametrize("sidecar", SIDECARS, ids=lambda p: p.stem)
@@ -158,6 +174,7 @@ def test_stubs_fail_their_self_check_and_the_solution_passes(sidecar):
 
     chapter = nbformat.read(ROOT / "notebooks" / f"{sidecar.stem}.ipynb", as_version=4)
     stud = nbformat.read(student.STUDENT_DIR / f"{sidecar.stem}.ipynb", as_version=4)
+    text = (student.STUDENT_DIR / f"{sidecar.stem}.ipynb").read_text()
     specs = student.load_specs(chapter, sidecar.stem)
     tagged = lambda tag: [c for c in stud.cells if tag in c.metadata.get("tags", [])]  # noqa: E731
     stubs, checks = tagged("student-stub"), tagged("self-check")
@@ -178,6 +195,11 @@ def test_stubs_fail_their_self_check_and_the_solution_passes(sidecar):
                 kernel.run(src)
             out = kernel.run(check)
             assert f"{label}: right" in "".join(o.get("text", "") for o in out.outputs)
+            for name in spec["answers"]:  # the student notebook does not print the reference value
+                for v in kernel.value(name):
+                    if v != 0 and len(f"{abs(v):.3g}".replace(".", "").strip("0")) >= 3:  # not 8, 0.5, -0.25
+                        for shown in {f"{v:.3g}", f"{v:.4g}"}:
+                            assert shown not in text, f"{label}.{name}: the reference value {shown} is in the notebook"
     finally:
         kernel.close()
 
@@ -206,4 +228,4 @@ def test_handout_preamble_defines_every_macro():
     pre = pdf.preamble()
     for name in macros:
         assert f"\\renewcommand{{\\{name}}}" in pre
-    assert "\\renewcommand{\\norm}[1]{\\left\\lVert #1 \\right\\rVert}" in pre
+    assert "\\renewcommand{\\norm}[1]{{\\left\\lVert #1 \\right\\rVert}}" in pre  # one group (tests/test_pdf.py)
