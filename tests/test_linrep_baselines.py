@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,6 +288,22 @@ def test_tune_picks_the_best_score_and_scores_errors_as_inf():
         B.tune("Adam", P, 5, 10, {}, {})
     with pytest.raises(ValueError, match="tail"):
         B.tune("Adam", P, 5, 10, {}, {"eta_G": [0.1]}, tail=0.0)
+
+
+def test_grid_scores_are_per_seed_and_tune_takes_their_mean():
+    P = _problem(S=3)
+    grid = {"eta_G": [0.01, 1.0], "shampoo_eps": [1e-4, 0.0]}
+    cells = B.grid_scores("Shampoo", P, 10, 30, {}, grid, record_every=5)
+    assert [hp for hp, _ in cells] == [{"eta_G": e, "shampoo_eps": x} for e in grid["eta_G"] for x in grid["shampoo_eps"]]
+    assert all(s.shape == (3,) for _, s in cells)
+    assert all(np.isinf(s).all() for hp, s in cells if hp["shampoo_eps"] == 0.0)   # an error: inf on every seed
+    out = linrep.run("Shampoo", P, 10, 30, cells[0][0], record_every=5, generator=torch.Generator().manual_seed(0))
+    m = max(1, round(0.1 * out["transfer_loss"].shape[-1]))
+    np.testing.assert_allclose(cells[0][1], out["transfer_loss"][:, -m:].mean(-1).log10().double().numpy(), rtol=1e-12)
+    _, scores = B.tune("Shampoo", P, 10, 30, {}, grid, record_every=5)
+    assert [s for _, s in scores] == [float(c.mean()) for _, c in cells]
+    with pytest.raises(ValueError, match="grid"):
+        B.grid_scores("Adam", P, 5, 10, {}, {"eta_G": []})
 
 
 def test_traces_frame_is_tidy():

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import curvature, linrep, precond
@@ -60,6 +61,7 @@ __all__ = [
     "normalised_metrics",
     "run_normalised",
     "run_method",
+    "grid_scores",
     "tune",
     "traces_frame",
     "gradient_drift",
@@ -322,20 +324,21 @@ def run_method(method: str, problem: LinRepProblem, n_steps: int, batch_size: in
     return linrep.run(method, problem, n_steps, batch_size, hp, record_every=record_every, generator=generator)
 
 
-def tune(method: str, problem: LinRepProblem, n_steps: int, batch_size: int, base_hp: dict, grid: dict, *,
-         metric: str = "transfer_loss", tail: float = 0.1, record_every: int = 1, seed: int = 0):
-    r"""Grid search by a rule fixed in advance (chapter 11): every combination of ``grid`` (a dict of lists) on
-    top of ``base_hp`` is run on ``problem`` (a *tuning* problem, not the reported one) and scored by the mean over
-    seeds of :math:`\log_{10}` of ``metric`` averaged over the last ``tail`` fraction of the recorded steps; a run
-    that diverges (an error or a non-finite value) scores :math:`+\infty`. Returns ``(best_hp, scores)`` with
-    ``scores`` a list of ``(hp, score)``."""
+def grid_scores(method: str, problem: LinRepProblem, n_steps: int, batch_size: int, base_hp: dict, grid: dict, *,
+                metric: str = "transfer_loss", tail: float = 0.1, record_every: int = 1, seed: int = 0):
+    r"""Every combination of ``grid`` (a dict of lists, fixed before the run) on top of ``base_hp``, run on
+    ``problem`` and scored **per seed** by :math:`\log_{10}` of ``metric`` averaged over the last ``tail`` fraction of
+    the recorded steps (chapter 11). A run that fails (an error) scores :math:`+\infty` on every seed, a seed whose
+    score is not finite scores :math:`+\infty`. Returns a list of ``(hp, scores)`` with ``scores`` a float array of
+    shape ``(S,)``, in the order of ``itertools.product`` over the grid's keys. Comparing two methods' stability
+    over the same grid and seeds uses these per-seed scores (seeds are the replicates, not grid cells)."""
     import itertools
 
     if not isinstance(grid, dict) or not grid or not all(isinstance(v, (list, tuple)) and v for v in grid.values()):
         raise ValueError("grid must be a non-empty dict of non-empty lists of values")
     if not 0 < float(tail) <= 1:
         raise ValueError(f"tail must be in (0, 1], got {tail}")
-    keys, scores = list(grid), []
+    keys, cells = list(grid), []
     for values in itertools.product(*(grid[k] for k in keys)):
         hp = {**base_hp, **dict(zip(keys, values))}
         try:
@@ -343,10 +346,23 @@ def tune(method: str, problem: LinRepProblem, n_steps: int, batch_size: int, bas
                              generator=torch.Generator().manual_seed(seed))
             trace = out[metric]
             m = max(1, int(round(tail * trace.shape[-1])))
-            score = float(trace[:, -m:].mean(-1).log10().mean())
+            per_seed = trace[:, -m:].mean(-1).log10().double().cpu().numpy()
         except (ValueError, RuntimeError, torch.linalg.LinAlgError):
-            score = math.inf
-        scores.append((hp, score if math.isfinite(score) else math.inf))
+            per_seed = np.full(problem.Gstar.shape[0], np.inf)
+        cells.append((hp, np.where(np.isfinite(per_seed), per_seed, np.inf)))
+    return cells
+
+
+def tune(method: str, problem: LinRepProblem, n_steps: int, batch_size: int, base_hp: dict, grid: dict, *,
+         metric: str = "transfer_loss", tail: float = 0.1, record_every: int = 1, seed: int = 0):
+    r"""Grid search by a rule fixed in advance (chapter 11): every combination of ``grid`` (a dict of lists) on
+    top of ``base_hp`` is run on ``problem`` (a *tuning* problem, not the reported one) and scored by the mean over
+    seeds of :math:`\log_{10}` of ``metric`` averaged over the last ``tail`` fraction of the recorded steps; a run
+    that diverges (an error or a non-finite value) scores :math:`+\infty`. Returns ``(best_hp, scores)`` with
+    ``scores`` a list of ``(hp, score)``; :func:`grid_scores` gives the per-seed scores."""
+    cells = grid_scores(method, problem, n_steps, batch_size, base_hp, grid, metric=metric, tail=tail,
+                        record_every=record_every, seed=seed)
+    scores = [(hp, float(s.mean())) for hp, s in cells]
     best = min(scores, key=lambda hs: hs[1])[0]
     return best, scores
 

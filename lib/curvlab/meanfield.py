@@ -703,6 +703,14 @@ def refit_output(params: MFParams, X, Y, act: str, *, rcond: float = 1e-10) -> M
     :math:`v=J_v^\top(J_vJ_v^\top)^{+}Y` with :math:`J_v=\Phi/m`; the pseudo-inverse drops eigenvalues of
     :math:`J_vJ_v^\top` below ``rcond`` :math:`\cdot` the largest (the authors' ``train_last_layer`` with
     ``is_linear``). With :math:`m\ge n` and :math:`K_\phi` invertible the refit interpolates the training data.
+
+    **Cut-off convention.** ``rcond`` cuts the *Gram eigenvalues*, i.e. the *squared* singular values of
+    :math:`J_v`: the default ``1e-10`` drops singular values below :math:`10^{-5}\sigma_{\max}(J_v)`. This is not
+    the cut of ``torch.linalg.pinv(J_v)`` / ``numpy.linalg.pinv`` (singular values below
+    :math:`\max(n,m)\,\epsilon\,\sigma_{\max}`, about :math:`10^{-13}\sigma_{\max}` in float64), which keeps far more
+    directions. Where the features are nearly collinear (random features of SiLU at small :math:`\sigma_0`) the two
+    conventions give different test losses, by a factor of several; chapter 21 tabulates the sensitivity (random
+    features, and trained networks). Every number of the book uses this convention; state it when comparing.
     """
     params = _check_params(params)
     X = _check_X(X, params)
@@ -716,6 +724,10 @@ def refit_output(params: MFParams, X, Y, act: str, *, rcond: float = 1e-10) -> M
 def random_features(params0: MFParams, X, Y, act: str, *, rcond: float = 1e-10) -> MFParams:
     r"""Random-features baseline (RF): hidden layer frozen at initialisation, output layer by :func:`refit_output`.
 
+    The baseline depends on the pseudo-inverse's cut-off when the random features are nearly collinear: ``rcond``
+    cuts Gram eigenvalues (squared singular values of :math:`J_v`) at ``rcond`` times the largest, not singular values
+    as ``pinv`` does — see :func:`refit_output` and chapter 21's sensitivity table.
+
     (The authors' RF runs add 1000 damped GN steps on :math:`v` at lr 100 after this exact solve; on an
     interpolating fit they change nothing, and the book leaves them out — see the deviations page.)
     """
@@ -724,7 +736,8 @@ def random_features(params0: MFParams, X, Y, act: str, *, rcond: float = 1e-10) 
 
 def test_lrfit(params: MFParams, data: Data, *, rcond: float = 1e-10) -> torch.Tensor:
     r"""Test-LRFit: the test loss :math:`\frac1{2n_{\mathrm{test}}}\lVert f(X_{\mathrm{test}})-Y_{\mathrm{test}}\rVert^2`
-    after :func:`refit_output` on the training set (one value per seed)."""
+    after :func:`refit_output` on the training set (one value per seed); ``rcond`` cuts Gram eigenvalues, the
+    convention of :func:`refit_output`."""
     _check_data(data)
     refit = refit_output(params, data.X, data.Y, data.act, rcond=rcond)
     return loss(refit, data.X_test, data.Y_test, data.act)

@@ -702,7 +702,14 @@ def refit_test_loss(params, X, y, X_test, y_test, param, *, act: str = "tanh", r
     Computed in kernel form, :math:`\hat v = \Phi^\top (\Phi\Phi^\top)^{+} y`, an ``n x n`` eigen-decomposition
     (fast for :math:`m \gg n`, and on any device). Singular values of :math:`\Phi` below ``rtol`` times the
     largest are dropped (their code's rule), and so are eigenvalues of :math:`\Phi\Phi^\top` below
-    :math:`n\,\varepsilon_{\mathrm{float64}}\lambda_{\max}` (the Gram matrix cannot resolve smaller ones). The
+    :math:`n\,\varepsilon_{\mathrm{float64}}\lambda_{\max}` (the Gram matrix cannot resolve smaller ones).
+
+    **Cut-off convention.** The cut is on the Gram eigenvalues at :math:`\max(\mathrm{rtol}^2,\,n\varepsilon)\,
+    \lambda_{\max}`; with the default ``rtol = 1e-10`` the second term wins, so singular values of :math:`\Phi`
+    below about :math:`\sqrt{n\varepsilon}\,\sigma_{\max}\approx10^{-7}\sigma_{\max}` are dropped. This differs both
+    from ``torch.linalg.pinv(Phi)`` (singular values below :math:`\max(n,m)\varepsilon\sigma_{\max}`) and from
+    :func:`curvlab.meanfield.refit_output` (Gram eigenvalues below ``rcond`` :math:`\lambda_{\max}`, ``1e-10``).
+    On nearly collinear features the refit's test loss depends on the cut (chapter 21 shows how much). The
     output multiplier cancels: :math:`\Phi_{\mathrm{test}}\Phi^{+}y` does not depend on it. Float64.
     """
     params, p = _check_params(params), _param(param)
