@@ -368,3 +368,26 @@ def test_batched_eigensolvers_restore_the_thread_setting():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_leave_one_out_statistics_dense():
+    """tau_hat = lam (1 + tr(Sigma R)/n) and delta_i = x_i^T R_{-i} x_i / n against explicit inverses."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.tensor([3.0, 1.0, 0.5, 0.2, 0.1], dtype=torch.float64)
+    X = torch.randn(2, 9, 5, generator=g, dtype=torch.float64) * s.sqrt()
+    lam = torch.tensor([0.05, 1.0], dtype=torch.float64)
+    out = rmt.leave_one_out_statistics(X, lam, s)
+    assert out.tau_hat.shape == (2, 2) and out.delta_rows.shape == (2, 2, 9)
+    for r in range(2):
+        S = X[r].T @ X[r] / 9
+        for j, l in enumerate(lam.tolist()):
+            R = torch.linalg.inv(S + l * torch.eye(5, dtype=torch.float64))
+            assert float(out.tau_hat[r, j]) == pytest.approx(l * (1 + float(torch.trace(torch.diag(s) @ R)) / 9), rel=1e-10)
+            for i in range(9):
+                x = X[r, i]
+                R_i = torch.linalg.inv(S - torch.outer(x, x) / 9 + l * torch.eye(5, dtype=torch.float64))
+                assert float(out.delta_rows[r, j, i]) == pytest.approx(float(x @ R_i @ x) / 9, rel=1e-9)
+    with pytest.raises(ValueError, match="lam_G"):
+        rmt.leave_one_out_statistics(X, torch.tensor([0.0]), s)
+    with pytest.raises(ValueError, match="eigenvalues"):
+        rmt.leave_one_out_statistics(X, lam, s[:3])

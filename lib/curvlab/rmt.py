@@ -39,6 +39,8 @@ from . import config
 from ._validate import as_tensor, check_finite, check_int, check_matrix, check_nonnegative, check_positive
 
 __all__ = [
+    "LeaveOneOut",
+    "leave_one_out_statistics",
     "mp_edges",
     "mp_density",
     "mp_cdf",
@@ -551,6 +553,45 @@ def resolvent_statistics(X, lam_G, beta) -> tuple[torch.Tensor, torch.Tensor]:
     filt = lam_G.unsqueeze(-1) / (lam.clamp_min(0.0).unsqueeze(-2) + lam_G.unsqueeze(-1))  # (..., L, d)
     proj = (B @ Q).square().mean(-2).unsqueeze(-2)  # (..., 1, d): mean over rows of (Q^T beta)^2
     return filt.mean(-1), (proj * filt.square()).sum(-1)
+
+
+class LeaveOneOut(NamedTuple):
+    r"""Monte Carlo ingredients of the heuristic derivation of the ridge equivalent (chapter 04).
+
+    ``tau_hat`` ``(..., L)`` — the *measured* effective ridge :math:`\hat\tau=\lambda_G(1+\hat\delta)` with
+    :math:`\hat\delta=\frac1n\operatorname{tr}\Sigma(\hat\Sigma+\lambda_GI)^{-1}`; ``delta_rows`` ``(..., L, n)`` —
+    the leave-one-out quadratic forms :math:`\delta_i=\frac1n x_i^\top(\hat\Sigma_{-i}+\lambda_GI)^{-1}x_i`, with
+    :math:`\hat\Sigma_{-i}=\hat\Sigma-x_ix_i^\top/n`.
+    """
+
+    tau_hat: torch.Tensor
+    delta_rows: torch.Tensor
+
+
+def leave_one_out_statistics(X, lam_G, eigenvalues) -> LeaveOneOut:
+    r"""The measured effective ridge and the leave-one-out quadratic forms of the heuristic derivation of
+    :func:`ridge_equivalent`, from data ``X`` ``(..., n, d)`` whose population covariance is **diagonal** with
+    diagonal ``eigenvalues`` ``(d,)``, for penalties ``lam_G`` ``(L,)`` :math:`>0`; one eigen-decomposition.
+
+    With :math:`R=(\hat\Sigma+\lambda_GI)^{-1}` and :math:`q_i=\frac1n x_i^\top Rx_i`, Sherman–Morrison gives the
+    leave-one-out form exactly, :math:`\delta_i=q_i/(1-q_i)`, so no :math:`n` separate inverses are needed.
+    The derivation predicts :math:`\hat\tau\to\tau` (the root of :math:`\lambda_G=\tau(1-\mathrm{df}_1(\tau)/n)`)
+    and a spread of :math:`\delta_i` over :math:`i` that shrinks like :math:`n^{-1/2}`.
+    """
+    e, Q = sample_covariance_eigh(X, vectors=True)
+    lam_G = _real("lam_G", lam_G, like=e)
+    if lam_G.dim() != 1 or bool((lam_G <= 0).any()):
+        raise ValueError("lam_G must be a vector of penalties > 0")
+    s = _real("eigenvalues", eigenvalues, like=e)
+    d, n = e.shape[-1], X.shape[-2]
+    if s.shape != (d,) or bool((s <= 0).any()):
+        raise ValueError(f"eigenvalues must be a positive vector of length {d}, got shape {tuple(s.shape)}")
+    filt = 1.0 / (e.clamp_min(0.0).unsqueeze(-2) + lam_G.unsqueeze(-1))        # (..., L, d)
+    sq = (s.unsqueeze(-1) * Q.square()).sum(-2).unsqueeze(-2)                   # (..., 1, d): q_k^T Sigma q_k
+    delta = (filt * sq).sum(-1) / n                                           # tr(Sigma R)/n
+    proj = (X.to(Q.dtype) @ Q).square()                                        # (..., n, d): (x_i^T q_k)^2
+    q = (proj.unsqueeze(-3) * filt.unsqueeze(-2)).sum(-1) / n                   # (..., L, n)
+    return LeaveOneOut(lam_G * (1 + delta), q / (1 - q))
 
 
 # ------------------------------------------------------------------------------------------------ spikes (BBP)
