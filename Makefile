@@ -1,7 +1,8 @@
 # Curvature Lab — build, test and run the book.
 #   make book   install what is missing, build the whole book (profile: $CURVLAB_PROFILE, default standard)
 #   make test   install what is missing, run the unit tests, build the whole book in the quick profile, strictly
-#   make lab    open the notebooks in JupyterLab
+#   make lab    open the chapters in JupyterLab (jupyterlab-myst; the clean copies in notebooks/colab/)
+#   make colab  regenerate notebooks/colab/, the chapters as Colab and JupyterLab open them (tools/colab.py)
 # Everything is installed into ./.venv, a virtual environment that sees the system's site-packages, so a torch
 # that is already installed (a CUDA build, say) is used as it is and never replaced.
 
@@ -13,7 +14,7 @@ JOBS       ?= 2
 STAMP      := $(VENV)/.curvlab-installed
 TORCH_PIN  ?= torch==2.13.0
 
-.PHONY: env book book-quick test unit built-tests lab bench clean clean-cache strip slides student pdf sweeps
+.PHONY: env book book-quick test unit built-tests lab colab bench clean clean-cache strip slides student pdf sweeps
 
 env: $(STAMP)
 
@@ -40,7 +41,10 @@ test: env
 	$(MAKE) built-tests
 
 lab: env
-	$(PY) -m jupyter lab notebooks/
+	$(PY) tools/colab.py --lab $(if $(PORT),--port $(PORT))
+
+colab: env
+	$(PY) tools/colab.py
 
 # Every benchmark, then book/performance.md's cost-vs-size section (benchmarks/run_all.py).
 bench: env
