@@ -148,6 +148,9 @@ def test_student_notebook_leaves_every_solution_out(sidecar):
                     assert line.strip() not in text, f"solution code of {label} leaked: {line.strip()!r}"
     assert "{solution" not in text and "{exercise" not in text
     assert "student-stub" in text and "TODO" in text
+    stud = nbformat.reads(text, as_version=4)
+    assert not [c.id for c in stud.cells if student.LECTURER_ONLY & set(c.metadata.get("tags", []))
+                and c.cell_type == "markdown"], "speaker notes in a student notebook"
     for label, spec in specs.items():  # the spec's teacher code (answers the solution does not bind) stays out too
         for name, answer in spec["answers"].items():
             for line in str(answer.get("teacher", "")).splitlines():

@@ -48,6 +48,9 @@ import slides  # noqa: E402  (the MyST -> Markdown conversion, shared with the d
 
 STUDENT_DIR = ROOT / "notebooks" / "student"  # what students download: generated notebooks only
 SPEC_DIR = ROOT / "tools" / "student_specs"  # the sidecar specs (teacher code): never shipped to students
+#: Markdown cells with one of these tags are left out of a student notebook: speaker notes (``notes``, for the
+#: lecturer's view of the slides) and text the book does not show (``remove-cell``).
+LECTURER_ONLY = {"notes", "remove-cell"}
 GATE = re.compile(r"^\s*(`{3,}|:{3,})\{(solution-start|solution-end)\}\s*(\S*)")
 
 # The self-check, written into every student notebook. `_k_hash` is also what the generator hashes with.
@@ -270,6 +273,8 @@ def student_notebook(nb: nbformat.NotebookNode, stem: str, specs: dict[str, dict
         metadata={"tags": ["student-notation"]}))
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
+            if LECTURER_ONLY & set(cell.metadata.get("tags", [])):
+                continue  # speaker notes, and text the book itself does not show
             text = conv.markdown(cell.source)
             if text.strip():
                 cells.append(md(text, metadata={"tags": cell.metadata.get("tags", [])} if cell.metadata.get("tags") else {}))
