@@ -198,6 +198,7 @@ def init_weights(d: int, widths: Sequence[int], d_y: int, *, scheme: str = "lecu
     widths = check_int_sequence("widths", widths, min_value=1)
     scheme = check_choice("scheme", scheme, ("lecun", "kaiming", "orthogonal"))
     scale = check_positive("scale", scale)
+    linalg._check_float_dtype("dtype", dtype)
     batch = tuple(check_int_sequence("batch", batch, min_value=1))
     dims = [d, *widths, d_y]
     Ws = []
@@ -252,12 +253,27 @@ def theta_of(Ws) -> torch.Tensor:
 def weights_of(theta, shapes: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
     """Inverse of :func:`theta_of`: the list of ``(m_l, m_{l-1})`` matrices (views) of a flat ``theta``."""
     theta = check_finite("theta", as_tensor("theta", theta))
-    sizes = [int(a) * int(b) for a, b in shapes]
+    shapes = _check_shapes(shapes)
+    if theta.dim() < 1:
+        raise ValueError(f"theta must be a flat parameter vector (..., p), got shape {tuple(theta.shape)}")
+    sizes = [a * b for a, b in shapes]
     if theta.shape[-1] != sum(sizes):
         raise ValueError(f"theta must have last dimension p = {sum(sizes)} for shapes {list(shapes)}, "
                          f"got {tuple(theta.shape)}")
     parts = theta.split(sizes, dim=-1)
     return [t.reshape(*t.shape[:-1], a, b) for t, (a, b) in zip(parts, shapes)]
+
+
+def _check_shapes(shapes) -> list[tuple[int, int]]:
+    """A non-empty list of layer shapes ``(m_l, m_{l-1})`` of positive integers."""
+    if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence) or len(shapes) == 0:
+        raise TypeError(f"shapes must be a non-empty list of layer shapes (m_l, m_(l-1)), got {shapes!r}")
+    out = []
+    for i, sh in enumerate(shapes):
+        if isinstance(sh, (str, bytes)) or not isinstance(sh, Sequence) or len(sh) != 2:
+            raise TypeError(f"shapes[{i}] must be a pair (m_l, m_(l-1)), got {sh!r}")
+        out.append(tuple(check_int(f"shapes[{i}]", v, min_value=1) for v in sh))
+    return out
 
 
 def flat_model(X, shapes: Sequence[tuple[int, int]], skip_scale: float = 0.0,
@@ -743,6 +759,7 @@ def leaky_relu(z, alpha: float) -> torch.Tensor:
     alpha = check_nonnegative("alpha", alpha)
     if alpha > 1:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    z = check_finite("z", as_tensor("z", z))
     return torch.where(z > 0, z, alpha * z)
 
 
@@ -1039,6 +1056,7 @@ def digits(n: int | None = None, *, seed: int = 0, center: bool = False, drop_co
 
     load_digits = _require("sklearn.datasets", purpose="the digits data (deep_linear.digits)").load_digits
 
+    linalg._check_float_dtype("dtype", dtype)
     data = load_digits()
     X = torch.as_tensor(data.data, dtype=dtype) / 16.0
     y = torch.as_tensor(data.target)

@@ -56,6 +56,13 @@ def default_rtol(size: int, dtype: torch.dtype = torch.float64) -> float:
     return size * torch.finfo(dtype).eps
 
 
+def _check_float_dtype(name: str, dtype) -> torch.dtype:
+    """A floating torch dtype (random draws and factorisations need one)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating torch.dtype (torch.float32 or torch.float64), got {dtype!r}")
+    return dtype
+
+
 def _check_symmetric(name: str, A: torch.Tensor) -> torch.Tensor:
     """Raise if ``A`` is not symmetric to ``100 n eps`` of its dtype, relative to its largest entry."""
     tol = 100 * A.shape[-1] * torch.finfo(A.dtype).eps
@@ -193,6 +200,10 @@ def principal_angles(A, B) -> torch.Tensor:
     B = check_matrix("B", B, batch=True)
     if A.shape[-1] != B.shape[-1]:
         raise ValueError(f"A and B must have the same number of columns, got {tuple(A.shape)} and {tuple(B.shape)}")
+    try:
+        torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+    except RuntimeError:
+        raise ValueError(f"A and B batch dimensions do not broadcast: {tuple(A.shape)} vs {tuple(B.shape)}") from None
     QA, QB = _row_basis("A", A), _row_basis("B", B.to(A.device))
     if QA.shape[-1] < QB.shape[-1]:
         QA, QB = QB, QA  # angles are symmetric; project the smaller basis
@@ -216,6 +227,7 @@ def sin_theta_distance(A, B, norm: str = "spectral") -> torch.Tensor:
 def random_orthogonal(d: int, *, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     r"""A Haar-distributed orthogonal :math:`d \times d` matrix (QR of a Gaussian matrix with the sign fix)."""
     d = check_int("d", d, min_value=1)
+    _check_float_dtype("dtype", dtype)
     A = torch.randn(d, d, generator=generator, dtype=dtype)
     Q, R = torch.linalg.qr(A)
     return Q * torch.sign(torch.diagonal(R)).unsqueeze(0)

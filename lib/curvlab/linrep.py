@@ -359,13 +359,17 @@ class LinRepState:
 
 def init_state(problem: LinRepProblem, generator: torch.Generator | None = None) -> LinRepState:
     r""":math:`G_0` Haar-random with orthonormal rows; :math:`F_0` its population least-squares head (full rank)."""
+    if not isinstance(problem, LinRepProblem):
+        raise TypeError(f"problem must be a LinRepProblem, got {type(problem).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if generator is None or generator.device.type != "cpu":
         gen = torch.Generator().manual_seed(12345 if generator is None else generator.initial_seed())
     else:
         gen = generator
     G0 = _orthonormal_rows(problem.n_seeds, problem.k, problem.d, gen).to(problem.dtype).to(problem.device)
     pop = problem.population_batch()
-    return LinRepState(F=head_from_moments(G0, pop["Sxx"], pop["Syx"]), G=G0, t=0)
+    return LinRepState(F=_head_from_moments(G0, pop["Sxx"], pop["Syx"]), G=G0, t=0)
 
 
 def batch_moments(batch: dict, second: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,8 +399,49 @@ def _right_solve(B: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve(A, B.transpose(-2, -1)).transpose(-2, -1)
 
 
+def _check_moments(G, Sxx, Syx, F=None):
+    """Validate ``G (..., k, d)``, ``Sxx (..., d, d)``, ``Syx (..., d_y, d)`` (and ``F (..., d_y, k)``) for the public
+    moment functions; the updates call the unvalidated ``_``-versions in their loops."""
+    G = check_finite("G", as_tensor("G", G))
+    if G.dim() < 2 or G.shape[-1] == 0 or G.shape[-2] == 0:
+        raise ValueError(f"G must have shape (..., k, d) with k, d >= 1, got {tuple(G.shape)}")
+    k, d = G.shape[-2:]
+    Sxx = check_finite("Sxx", as_tensor("Sxx", Sxx, dtype=G.dtype, device=G.device))
+    if Sxx.dim() < 2 or Sxx.shape[-2:] != (d, d):
+        raise ValueError(f"Sxx must have shape (..., {d}, {d}) to match G {tuple(G.shape)}, got {tuple(Sxx.shape)}")
+    Syx = check_finite("Syx", as_tensor("Syx", Syx, dtype=G.dtype, device=G.device))
+    if Syx.dim() < 2 or Syx.shape[-1] != d or Syx.shape[-2] == 0:
+        raise ValueError(f"Syx must have shape (..., d_y, {d}) to match G {tuple(G.shape)}, got {tuple(Syx.shape)}")
+    out = [G, Sxx, Syx]
+    if F is not None:
+        F = check_finite("F", as_tensor("F", F, dtype=G.dtype, device=G.device))
+        if F.dim() < 2 or F.shape[-2:] != (Syx.shape[-2], k):
+            raise ValueError(f"F must have shape (..., {Syx.shape[-2]}, {k}) to match Syx and G, got {tuple(F.shape)}")
+        out.insert(0, F)
+    try:
+        torch.broadcast_shapes(*(t.shape[:-2] for t in out))
+    except RuntimeError:
+        names = ["F", "G", "Sxx", "Syx"][4 - len(out):]
+        raise ValueError(f"the batch dimensions of {', '.join(names)} do not broadcast: "
+                         f"{[tuple(t.shape) for t in out]}") from None
+    return out
+
+
 def head_from_moments(G: torch.Tensor, Sxx: torch.Tensor, Syx: torch.Tensor, lam: float = 0.0) -> torch.Tensor:
-    r"""Least-squares head from moments: :math:`F = \hat\Sigma_{yx}G^\top(G\hat\Sigma G^\top + \lambda I_k)^{-1}`."""
+    r"""Least-squares head from moments: :math:`F = \hat\Sigma_{yx}G^\top(G\hat\Sigma G^\top + \lambda I_k)^{-1}`.
+
+    ``G (..., k, d)``, ``Sxx (..., d, d)``, ``Syx (..., d_y, d)``; ValueError naming ``lam`` when
+    :math:`G\hat\Sigma G^\top + \lambda I` is singular."""
+    G, Sxx, Syx = _check_moments(G, Sxx, Syx)
+    lam = check_nonnegative("lam", lam)
+    try:
+        return _head_from_moments(G, Sxx, Syx, lam)
+    except torch.linalg.LinAlgError as exc:
+        raise ValueError(f"G Sxx G^T + lam I is singular (lam = {lam:g}): the least-squares head does not exist; "
+                         "pass lam > 0 or a G and Sxx of full rank") from exc
+
+
+def _head_from_moments(G: torch.Tensor, Sxx: torch.Tensor, Syx: torch.Tensor, lam: float = 0.0) -> torch.Tensor:
     A = G @ Sxx @ G.transpose(-2, -1)
     if lam:
         A = A + lam * _eye(A.shape[-1], A)
@@ -423,21 +468,44 @@ def fit_head(G, X, Y, lam: float = 0.0) -> torch.Tensor:
     G, X, Y = _check_data(G, X, Y)
     lam = check_nonnegative("lam", lam)
     n = X.shape[-2]
-    return head_from_moments(G, X.transpose(-2, -1) @ X / n, Y.transpose(-2, -1) @ X / n, lam)
+    if n == 0:
+        raise ValueError(f"X must hold at least one sample, got shape {tuple(X.shape)}")
+    try:
+        return _head_from_moments(G, X.transpose(-2, -1) @ X / n, Y.transpose(-2, -1) @ X / n, lam)
+    except torch.linalg.LinAlgError as exc:
+        raise ValueError(f"G Sigma_hat G^T + lam I is singular (lam = {lam:g}, n = {n} samples): pass lam > 0 or "
+                         "more samples") from exc
 
 
 def grad_G(F, G, Sxx, Syx) -> torch.Tensor:
-    r""":math:`\nabla_G\mathcal{L} = \frac1n F^\top(FGX^\top - Y^\top)X = F^\top(FG\hat\Sigma - \hat\Sigma_{yx})`."""
+    r""":math:`\nabla_G\mathcal{L} = \frac1n F^\top(FGX^\top - Y^\top)X = F^\top(FG\hat\Sigma - \hat\Sigma_{yx})`.
+
+    ``F (..., d_y, k)``, ``G (..., k, d)``, ``Sxx (..., d, d)``, ``Syx (..., d_y, d)`` (validated; the updates of
+    this module call the unvalidated ``_grad_G`` in their loops)."""
+    return _grad_G(*_check_moments(G, Sxx, Syx, F))
+
+
+def _grad_G(F, G, Sxx, Syx) -> torch.Tensor:
     return F.transpose(-2, -1) @ (F @ G @ Sxx - Syx)
 
 
 def grad_F(F, G, Sxx, Syx) -> torch.Tensor:
-    r""":math:`\nabla_F\mathcal{L} = (FG\hat\Sigma - \hat\Sigma_{yx})G^\top`."""
+    r""":math:`\nabla_F\mathcal{L} = (FG\hat\Sigma - \hat\Sigma_{yx})G^\top` (shapes and validation as
+    :func:`grad_G`)."""
+    return _grad_F(*_check_moments(G, Sxx, Syx, F))
+
+
+def _grad_F(F, G, Sxx, Syx) -> torch.Tensor:
     return (F @ G @ Sxx - Syx) @ G.transpose(-2, -1)
 
 
 def loss(F, G, X, Y) -> torch.Tensor:
-    r"""The batch loss :math:`\mathcal{L}(F,G) = \frac1{2n}\lVert Y - XG^\top F^\top\rVert_F^2`, shape ``(...)``."""
+    r"""The batch loss :math:`\mathcal{L}(F,G) = \frac1{2n}\lVert Y - XG^\top F^\top\rVert_F^2`, shape ``(...)``
+    (validated, the same as :func:`train_loss`)."""
+    return train_loss(F, G, X, Y)
+
+
+def _loss(F, G, X, Y) -> torch.Tensor:
     R = Y - X @ G.transpose(-2, -1) @ F.transpose(-2, -1)
     return 0.5 * R.square().sum((-2, -1)) / X.shape[-2]
 
@@ -446,9 +514,16 @@ def train_loss(F, G, X, Y) -> torch.Tensor:
     r"""Validated :func:`loss`: the empirical training loss of :math:`(F, G)` on ``(X, Y)``, shape ``(...)``."""
     G, X, Y = _check_data(G, X, Y)
     F = check_finite("F", as_tensor("F", F, dtype=G.dtype, device=G.device))
-    if F.shape[-1] != G.shape[-2] or F.shape[-2] != Y.shape[-1]:
+    if F.dim() < 2 or F.shape[-1] != G.shape[-2] or F.shape[-2] != Y.shape[-1]:
         raise ValueError(f"F must have shape (..., {Y.shape[-1]}, {G.shape[-2]}), got {tuple(F.shape)}")
-    return loss(F, G, X, Y)
+    if X.shape[-2] == 0:
+        raise ValueError(f"X must hold at least one sample, got shape {tuple(X.shape)}")
+    try:
+        torch.broadcast_shapes(F.shape[:-2], G.shape[:-2], X.shape[:-2], Y.shape[:-2])
+    except RuntimeError:
+        raise ValueError(f"the batch dimensions of F, G, X, Y do not broadcast: {tuple(F.shape)}, {tuple(G.shape)}, "
+                         f"{tuple(X.shape)}, {tuple(Y.shape)}") from None
+    return _loss(F, G, X, Y)
 
 
 # ============================================================================================ the updates
@@ -487,13 +562,13 @@ def _head_for_step(state: LinRepState, batch: dict, hp: dict, moments=None) -> t
         Sxx, Syx = moments
     else:
         Sxx, Syx = batch_moments(batch, second=(v == "refit_independent"))
-    return head_from_moments(state.G, Sxx, Syx, hp["lam_head"])
+    return _head_from_moments(state.G, Sxx, Syx, hp["lam_head"])
 
 
 def _finish(state: LinRepState, F: torch.Tensor, G_new: torch.Tensor, Sxx, Syx, hp: dict) -> LinRepState:
     """Apply the F-gradient variant (simultaneous step) and optional re-orthonormalisation; bump ``t``."""
     if hp["f_variant"] == "gradient":
-        F = F - hp["eta_F"] * grad_F(F, state.G, Sxx, Syx)
+        F = F - hp["eta_F"] * _grad_F(F, state.G, Sxx, Syx)
     if hp.get("orthonormalize", False):
         Q, R = torch.linalg.qr(G_new.transpose(-2, -1))
         F = F @ R.transpose(-2, -1)                    # keep the product F G unchanged
@@ -517,7 +592,7 @@ def sgd_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict
     hp = _hp(hp, "SGD")
     Sxx, Syx = batch_moments(batch)
     F = _head_for_step(state, batch, hp, (Sxx, Syx))
-    G = state.G - _step_scale(F, Sxx, hp) * grad_G(F, state.G, Sxx, Syx)
+    G = state.G - _step_scale(F, Sxx, hp) * _grad_G(F, state.G, Sxx, Syx)
     return _finish(state, F, G, Sxx, Syx, hp)
 
 
@@ -528,7 +603,7 @@ def amgd_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dic
     hp = _hp(hp, "AMGD")
     Sxx, Syx = batch_moments(batch)
     F = _head_for_step(state, batch, hp, (Sxx, Syx))
-    G = state.G - _step_scale(F, Sxx, hp) * grad_G(F, state.G, Sxx, Syx)
+    G = state.G - _step_scale(F, Sxx, hp) * _grad_G(F, state.G, Sxx, Syx)
     return _finish(state, F, G, Sxx, Syx, hp)
 
 
@@ -581,7 +656,7 @@ def kfac_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dic
     Sxx, Syx = batch_moments(batch)
     F = _head_for_step(state, batch, hp, (Sxx, Syx))
     C_out = F.transpose(-2, -1) @ F + hp["lam_F"] * _eye(F.shape[-1], F)
-    step = torch.linalg.solve(C_out, _whitened("K-FAC", grad_G(F, state.G, Sxx, Syx), Sxx, batch, hp))
+    step = torch.linalg.solve(C_out, _whitened("K-FAC", _grad_G(F, state.G, Sxx, Syx), Sxx, batch, hp))
     return _finish(state, F, state.G - hp["eta_G"] * step, Sxx, Syx, hp)
 
 
@@ -597,7 +672,7 @@ def dfw_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dict
     hp = _hp(hp, "DFW")
     Sxx, Syx = batch_moments(batch)
     F = _head_for_step(state, batch, hp, (Sxx, Syx))
-    step = _whitened("DFW", grad_G(F, state.G, Sxx, Syx), Sxx, batch, hp)
+    step = _whitened("DFW", _grad_G(F, state.G, Sxx, Syx), Sxx, batch, hp)
     if hp.get("normalize_step", False):
         scale = hp["eta_G"] / torch.linalg.matrix_norm(F, ord=2).square()[..., None, None]  # (S,1,1) or float
     else:
@@ -665,6 +740,8 @@ def _dist(G: torch.Tensor, Gstar: torch.Tensor, kind: str = "sin_max") -> torch.
 def perp_projector(Gstar) -> torch.Tensor:
     r""":math:`\Pi_\perp = I_d - G_\star^\top G_\star`, the projector onto :math:`\operatorname{rowsp}(G_\star)^\perp`."""
     Gstar = check_finite("Gstar", as_tensor("Gstar", Gstar))
+    if Gstar.dim() < 2 or Gstar.shape[-1] == 0:
+        raise ValueError(f"Gstar must have shape (..., k, d) with d >= 1, got {tuple(Gstar.shape)}")
     return _eye(Gstar.shape[-1], Gstar) - Gstar.transpose(-2, -1) @ Gstar
 
 
@@ -740,12 +817,23 @@ def schur_complement(G, Sigma) -> tuple[torch.Tensor, torch.Tensor]:
     U_perp (..., d-k, d))``. It equals :math:`U_\perp\Sigma U_\perp^\top` only when :math:`\operatorname{rowsp}(G)`
     is an invariant subspace of :math:`\Sigma`."""
     G = check_finite("G", as_tensor("G", G))
+    if G.dim() < 2 or G.shape[-2] == 0:
+        raise ValueError(f"G must have shape (..., k, d) with k >= 1, got {tuple(G.shape)}")
+    if not G.is_floating_point():
+        G = G.to(torch.get_default_dtype())
     Sigma = check_psd("Sigma", as_tensor("Sigma", Sigma, dtype=G.dtype, device=G.device), strict=True)
     k, d = G.shape[-2:]
     if k >= d:
         raise ValueError(f"G must have k < d rows (a nontrivial complement), got shape {tuple(G.shape)}")
     if Sigma.shape[-1] != d:
         raise ValueError(f"Sigma must be ({d}, {d}) to match G, got {tuple(Sigma.shape)}")
+    try:
+        torch.broadcast_shapes(G.shape[:-2], Sigma.shape[:-2])
+    except RuntimeError:
+        raise ValueError(f"the batch dimensions of G {tuple(G.shape)} and Sigma {tuple(Sigma.shape)} do not "
+                         "broadcast") from None
+    if bool((torch.linalg.matrix_rank(G) < k).any()):
+        raise ValueError(f"G must have full row rank k = {k} (its row space is the subspace), got a rank-deficient G")
     Qfull = torch.linalg.qr(G.transpose(-2, -1), mode="complete")[0]      # (..., d, d)
     U = Qfull[..., :, k:].transpose(-2, -1)
     Sinv_perp = U @ torch.linalg.solve(Sigma, U.transpose(-2, -1))
@@ -765,10 +853,18 @@ def schur_curvature(F, G, Sigma) -> torch.Tensor:
     \operatorname{vec}(F^\top F\,B\,S)`. At a fixed point :math:`G = RG_\star` of population AMGD, the linearised map
     is :math:`B \mapsto B - \eta F^\top F B S` (rate :func:`linearised_rate`). Returns ``(..., k(d-k), k(d-k))``."""
     F = check_finite("F", as_tensor("F", F))
-    k = as_tensor("G", G).shape[-2]
+    G_t = as_tensor("G", G)
+    if G_t.dim() < 2:
+        raise ValueError(f"G must have shape (..., k, d), got {tuple(G_t.shape)}")
+    k = G_t.shape[-2]
     if F.dim() < 2 or F.shape[-1] != k:
         raise ValueError(f"F must have shape (..., d_y, {k}) to match G, got {tuple(F.shape)}")
     S, _ = schur_complement(G, Sigma)
+    try:
+        torch.broadcast_shapes(F.shape[:-2], S.shape[:-2])
+    except RuntimeError:
+        raise ValueError(f"the batch dimensions of F {tuple(F.shape)} and G {tuple(G_t.shape)} do not "
+                         "broadcast") from None
     return linalg.kron(F.transpose(-2, -1) @ F.to(S.dtype), S)
 
 
@@ -798,7 +894,22 @@ def perp_jacobian(step: Callable[[torch.Tensor], torch.Tensor], G, U_perp, h: fl
         raise TypeError("step must be callable G -> G_plus")
     h = check_positive("h", h)
     G = check_finite("G", as_tensor("G", G))
+    if G.dim() < 2 or G.shape[-2] == 0 or G.shape[-1] == 0:
+        raise ValueError(f"G must have shape (..., k, d) with k, d >= 1, got {tuple(G.shape)}")
+    U_perp = check_finite("U_perp", as_tensor("U_perp", U_perp, dtype=G.dtype, device=G.device))
+    if U_perp.dim() < 2 or U_perp.shape[-1] != G.shape[-1] or U_perp.shape[-2] == 0:
+        raise ValueError(f"U_perp must have shape (..., d - k, {G.shape[-1]}) with d - k >= 1 to match G, got "
+                         f"{tuple(U_perp.shape)}")
+    try:
+        torch.broadcast_shapes(G.shape[:-2], U_perp.shape[:-2])
+    except RuntimeError:
+        raise ValueError(f"the batch dimensions of G {tuple(G.shape)} and U_perp {tuple(U_perp.shape)} do not "
+                         "broadcast") from None
     k, r = G.shape[-2], U_perp.shape[-2]
+    probe = step(G)
+    if not isinstance(probe, torch.Tensor) or probe.shape != G.shape:
+        raise ValueError(f"step must map G {tuple(G.shape)} to a tensor of the same shape, got "
+                         f"{tuple(probe.shape) if isinstance(probe, torch.Tensor) else type(probe).__name__}")
     cols = []
     for a in range(k):
         for b in range(r):
@@ -824,6 +935,10 @@ def fitted_rate(trace, steps, *, window: tuple[float, float] = (1e-10, 1e-2), mi
     :func:`curvlab.synthesis.mode_rate`): a rate is never returned as NaN."""
     D = as_tensor("trace", trace, dtype=torch.float64).cpu()
     st = as_tensor("steps", steps, dtype=torch.float64).cpu()
+    if D.dim() not in (1, 2) or D.shape[-1] == 0:
+        raise ValueError(f"trace must have shape (T,) or (S, T) with T >= 1, got {tuple(D.shape)}")
+    if st.dim() not in (1, 2):
+        raise ValueError(f"steps must have shape (T,) or (S, T), got {tuple(st.shape)}")
     if D.dim() == 1:
         D = D[None]
     st = st.reshape(-1)[-D.shape[-1]:] if st.dim() == 1 else st[0]
@@ -985,6 +1100,9 @@ def run_looped(method: str, problem: LinRepProblem, n_steps: int, batch_size: in
     draws its own batches — from ``generator`` in turn when given, else from a generator on the problem's device
     seeded ``generator_seed + s`` — so the result is statistically, not bitwise, the same as :func:`run`'s."""
     generator_seed = check_int("generator_seed", generator_seed, min_value=0)
+    _check_run(method, problem, n_steps, batch_size, hp, record_every)
+    if init is not None and not isinstance(init, LinRepState):
+        raise TypeError(f"init must be a LinRepState, got {type(init).__name__}")
     outs = []
     for s in range(problem.n_seeds):
         sub = problem.select(s)

@@ -22,6 +22,7 @@ from typing import Any
 
 import matplotlib
 import matplotlib.pyplot as plt
+import numpy as np
 
 __all__ = [
     "MethodStyle",
@@ -134,8 +135,44 @@ def style(method: str) -> MethodStyle:
         ) from None
 
 
+def _check_ax(ax: Any, needs: str) -> Any:
+    """``ax`` must be a matplotlib Axes (anything with the method ``needs``)."""
+    if not callable(getattr(ax, needs, None)):
+        raise TypeError(f"ax must be a matplotlib Axes (with .{needs}), got {type(ax).__name__}")
+    return ax
+
+
+def _check_data(name: str, value: Any) -> Any:
+    """Data to draw: anything NumPy reads as an array of real numbers (tensors on any device included)."""
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be an array of real numbers, got {type(value).__name__}")
+    if hasattr(value, "detach") and callable(value.detach):
+        value = value.detach().cpu()
+    try:
+        arr = np.asarray(value, dtype=float)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"{name} must be an array of real numbers, got {type(value).__name__}") from exc
+    if arr.ndim > 2:
+        raise ValueError(f"{name} must have at most 2 dimensions, got shape {arr.shape}")
+    return value
+
+
+def _check_methods(methods: Any) -> list[str]:
+    """A list of registered method names; a bare string is refused (it would be read letter by letter)."""
+    if isinstance(methods, (str, bytes)) or not isinstance(methods, Iterable):
+        raise TypeError(f"methods must be a list of registered method names, got {methods!r}")
+    names = list(methods)
+    for i, m in enumerate(names):
+        if not isinstance(m, str) or m not in METHODS:
+            raise ValueError(f"methods[{i}] = {m!r} is not in the method registry (curvlab.plotting.METHODS); "
+                             f"registered: {sorted(METHODS)}")
+    return names
+
+
 def plot(ax: Any, x: Any, y: Any, method: str, *, markevery: Any = None, **kw: Any) -> Any:
     """``ax.plot`` with the method's registered colour, line style, marker and label (``kw`` may override the label)."""
+    _check_ax(ax, "plot")
+    x, y = _check_data("x", x), _check_data("y", y)
     st = style(method).kwargs()
     if markevery is None:
         try:
@@ -149,12 +186,16 @@ def plot(ax: Any, x: Any, y: Any, method: str, *, markevery: Any = None, **kw: A
 
 def band(ax: Any, x: Any, lo: Any, hi: Any, method: str, *, alpha: float = 0.2, **kw: Any) -> Any:
     """A shaded band (e.g. a replicate interval) in the method's colour."""
+    _check_ax(ax, "fill_between")
+    x, lo, hi = _check_data("x", x), _check_data("lo", lo), _check_data("hi", hi)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
     return ax.fill_between(x, lo, hi, color=style(method).color, alpha=alpha, linewidth=0, **kw)
 
 
 def seaborn_kwargs(methods: Iterable[str]) -> dict[str, Any]:
     """``hue_order``, ``palette``, ``dashes`` and ``markers`` for seaborn's ``lineplot(hue=..., style=...)``."""
-    names = list(dict.fromkeys(methods))
+    names = list(dict.fromkeys(_check_methods(methods)))
     styles = {m: style(m) for m in names}
 
     def dash(ls: Any) -> Any:
@@ -254,5 +295,6 @@ def legend_methods(ax: Any, methods: Sequence[str], **kw: Any) -> Any:
     """A legend with one handle per registered method, in the given order."""
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], **style(m).kwargs()) for m in methods]
+    _check_ax(ax, "legend")
+    handles = [Line2D([], [], **style(m).kwargs()) for m in _check_methods(methods)]
     return ax.legend(handles=handles, **kw)

@@ -34,7 +34,8 @@ import torch
 from torch.func import hessian, jacfwd, jacrev, jvp, vmap
 
 from . import config
-from ._validate import as_tensor, check_choice, check_finite, check_int, check_matrix, check_nonnegative, check_positive
+from ._validate import (_check_number, as_tensor, check_choice, check_finite, check_int, check_matrix,
+                        check_nonnegative, check_positive)
 from .curvature import damped_gn_step, jacobian
 
 __all__ = [
@@ -149,7 +150,8 @@ def quadratic(kappa: float, lam_max: float = 1.0, angle: float = math.pi / 6,
     if kappa < 1:
         raise ValueError(f"kappa must be >= 1 (a condition number), got {kappa}")
     lam_max = check_positive("lam_max", lam_max)
-    c, s = math.cos(float(angle)), math.sin(float(angle))
+    angle = _check_number("angle", angle)
+    c, s = math.cos(angle), math.sin(angle)
     Q = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
     R = math.sqrt(2.0) * Q @ torch.diag(torch.tensor([lam_max, lam_max / kappa], dtype=torch.float64).sqrt()) @ Q.T
     star = check_finite("theta_star", as_tensor("theta_star", theta_star, dtype=torch.float64))
@@ -296,9 +298,22 @@ def armijo_step(problem: LeastSquares, theta, direction, grad=None, c: float = 1
     ``theta`` is returned.
     """
     problem = _check_problem(problem)
+    c, shrink = _check_number("c", c), _check_number("shrink", shrink)
     if not 0 < c < 1 or not 0 < shrink < 1:
         raise ValueError(f"c and shrink must lie in (0, 1), got c={c}, shrink={shrink}")
-    g = problem.gradient(theta) if grad is None else grad
+    max_halvings = check_int("max_halvings", max_halvings, min_value=0)
+    theta = _theta(theta)
+    if theta.dim() != 1:
+        raise ValueError(f"theta must be a parameter vector (p,), got shape {tuple(theta.shape)}")
+    direction = check_finite("direction", as_tensor("direction", direction, dtype=theta.dtype))
+    if direction.shape != theta.shape:
+        raise ValueError(f"direction must have the shape of theta {tuple(theta.shape)}, got {tuple(direction.shape)}")
+    if grad is None:
+        g = problem.gradient(theta)
+    else:
+        g = check_finite("grad", as_tensor("grad", grad, dtype=theta.dtype))
+        if g.shape != theta.shape:
+            raise ValueError(f"grad must have the shape of theta {tuple(theta.shape)}, got {tuple(g.shape)}")
     slope, base, alpha = float(g @ direction), float(problem.loss(theta)), 1.0
     if slope < 0:
         raise ValueError(f"direction must be a descent direction (grad . direction > 0), got {slope:.3g}")
@@ -639,7 +654,9 @@ def loss_contours(ax, problem: LeastSquares, xlim, ylim, levels: int = 14, n_gri
     when ``log`` (for losses that span decades), evenly spaced otherwise. Returns the contour set."""
     problem = _check_problem(problem)
     levels, n_grid = check_int("levels", levels, min_value=2), check_int("n_grid", n_grid, min_value=2)
-    (x0, x1), (y0, y1) = xlim, ylim
+    if not callable(getattr(ax, "contour", None)):
+        raise TypeError(f"ax must be a matplotlib Axes, got {type(ax).__name__}")
+    (x0, x1), (y0, y1) = _check_box("xlim", xlim), _check_box("ylim", ylim)
     gx = torch.linspace(float(x0), float(x1), n_grid, dtype=torch.float64)
     gy = torch.linspace(float(y0), float(y1), n_grid, dtype=torch.float64)
     TX, TY = torch.meshgrid(gx, gy, indexing="xy")
@@ -653,6 +670,16 @@ def loss_contours(ax, problem: LeastSquares, xlim, ylim, levels: int = 14, n_gri
     return ax.contour(TX.numpy(), TY.numpy(), Z.numpy(), levels=lv, colors="0.65", linewidths=0.8)
 
 
+def _check_box(name: str, lim) -> tuple[float, float]:
+    """A pair ``(low, high)`` of finite numbers with ``low < high``."""
+    if isinstance(lim, (str, bytes)) or not hasattr(lim, "__len__") or len(lim) != 2:
+        raise TypeError(f"{name} must be a pair (low, high) of numbers, got {lim!r}")
+    lo, hi = _check_number(name, lim[0]), _check_number(name, lim[1])
+    if not lo < hi:
+        raise ValueError(f"{name} must satisfy low < high, got {tuple(lim)}")
+    return lo, hi
+
+
 def plot_paths(ax, problem: LeastSquares, paths: dict, xlim, ylim, *, levels: int = 14, log: bool = True,
                labels: dict | None = None, markevery: int = 1, **kw) -> None:
     r"""Loss contours (:func:`loss_contours`) with optimiser paths on top and a star at ``problem.theta_star``.
@@ -662,9 +689,16 @@ def plot_paths(ax, problem: LeastSquares, paths: dict, xlim, ylim, *, levels: in
     """
     from . import plotting
 
+    if not isinstance(paths, dict):
+        raise TypeError(f"paths must be a dict {{method: iterates (T + 1, 2)}}, got {type(paths).__name__}")
+    if labels is not None and not isinstance(labels, dict):
+        raise TypeError(f"labels must be a dict {{method: label}} or None, got {type(labels).__name__}")
+    markevery = check_int("markevery", markevery, min_value=1)
     loss_contours(ax, problem, xlim, ylim, levels=levels, log=log)
     for method, path in paths.items():
         path = check_matrix(f"paths[{method!r}]", path)
+        if path.shape[-1] != 2:
+            raise ValueError(f"paths[{method!r}] must be iterates of shape (T + 1, 2), got {tuple(path.shape)}")
         extra = {"label": labels[method]} if labels and method in labels else {}
         plotting.plot(ax, path[:, 0], path[:, 1], method, markevery=markevery, **extra, **kw)
     if problem.theta_star is not None:

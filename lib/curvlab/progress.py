@@ -45,8 +45,13 @@ def progress(iterable: Iterable, total: int | None = None, desc: str | None = No
         A ``tqdm`` bar over ``iterable``, or ``iterable`` itself during a book build or with
         ``CURVLAB_PROGRESS=0`` (see :func:`progress_enabled`).
     """
-    if not isinstance(iterable, Iterable):
+    if not isinstance(iterable, Iterable) or (hasattr(iterable, "dim") and callable(iterable.dim)
+                                              and iterable.dim() == 0):
         raise TypeError(f"iterable must be iterable, got {type(iterable).__name__}")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise TypeError(f"total must be a non-negative integer or None, got {total!r}")
+    if desc is not None and not isinstance(desc, str):
+        raise TypeError(f"desc must be a string or None, got {type(desc).__name__}")
     if not progress_enabled():
         return iterable
     from tqdm.auto import tqdm
