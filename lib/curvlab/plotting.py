@@ -146,12 +146,17 @@ def _check_data(name: str, value: Any) -> Any:
     """Data to draw: anything NumPy reads as an array of real numbers (tensors on any device included)."""
     if value is None or isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be an array of real numbers, got {type(value).__name__}")
-    if hasattr(value, "detach") and callable(value.detach):
-        value = value.detach().cpu()
+    probe = value.detach().cpu() if hasattr(value, "detach") and callable(value.detach) else value
     try:
-        arr = np.asarray(value, dtype=float)
+        arr = np.asarray(probe)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise TypeError(f"{name} must be an array of real numbers, got {type(value).__name__}") from exc
+    if arr.dtype.kind == "O":            # None entries, ragged lists: matplotlib would fail deep inside
+        try:
+            arr = arr.astype(float)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{name} must be an array of real numbers (or categories), got {arr.dtype} entries "
+                            f"of {type(value).__name__}") from exc
     if arr.ndim > 2:
         raise ValueError(f"{name} must have at most 2 dimensions, got shape {arr.shape}")
     return value
