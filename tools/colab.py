@@ -879,11 +879,55 @@ def fix_setup_cells(paths: list[Path], ref: str | None = None) -> int:
     return 0
 
 
+LAB_MACROS_TAG = "curvlab-lab-macros"
+
+
+def lab_frontmatter(macros: dict[str, tuple[str, int]] | None = None) -> str:
+    """MyST front matter defining the book's macros: what jupyterlab-myst reads from a notebook's first cell."""
+    macros = macros or load_macros()
+    body = yaml.safe_dump({"math": {f"\\{k}": v for k, (v, _n) in macros.items()}}, allow_unicode=True, width=1000)
+    return f"---\n{body}---"
+
+
+def lab_contents_manager():
+    """A Jupyter contents manager that serves every chapter under notebooks/ with a first cell of front matter defining
+    the book's macros (jupyterlab-myst reads ``math:`` there), and drops that cell again on save: the files on disk
+    never hold it. ``make lab`` runs JupyterLab with it."""
+    from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
+    from nbformat.v4 import new_markdown_cell
+
+    front = lab_frontmatter()
+
+    def chapter(path: str) -> bool:
+        p = Path(path.lstrip("/"))
+        return p.suffix == ".ipynb" and p.parts[:1] == ("notebooks",) and "colab" not in p.parts
+
+    class MacroContentsManager(AsyncLargeFileManager):
+        async def get(self, path, content=True, type=None, format=None, **kwargs):
+            model = await super().get(path, content=content, type=type, format=format, **kwargs)
+            if content and model.get("type") == "notebook" and chapter(path) and model.get("content") is not None:
+                cell = new_markdown_cell(front, metadata={"tags": [LAB_MACROS_TAG], "editable": False,
+                                                          "deletable": False})
+                cell["id"] = LAB_MACROS_TAG
+                model["content"].cells.insert(0, cell)
+            return model
+
+        async def save(self, model, path=""):
+            if model.get("type") == "notebook" and model.get("content") is not None:
+                cells = model["content"]["cells"]
+                model["content"]["cells"] = [c for c in cells
+                                             if LAB_MACROS_TAG not in c.get("metadata", {}).get("tags", [])]
+            return await super().save(model, path)
+
+    return MacroContentsManager
+
+
 def lab_command(port: int, token: str) -> list[str]:
     """JupyterLab on 127.0.0.1, opening the clean copies; ``--allow-root`` where the user is root (containers)."""
     cmd = [sys.executable, "-m", "jupyter", "lab", "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
            f"--ServerApp.root_dir={ROOT}", f"--IdentityProvider.token={token}",
-           "--LabApp.default_url=/lab/tree/notebooks/colab"]
+           "--LabApp.default_url=/lab/tree/notebooks/colab",
+           "--ServerApp.contents_manager_class=curvlab_lab_contents.MacroContentsManager"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")
     if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
@@ -901,10 +945,16 @@ def launch_lab(port: int | None = None) -> int:
             port = s.getsockname()[1]
     token = secrets.token_hex(16)
     print("JupyterLab (with jupyterlab-myst): notebooks/colab/ holds the chapters as they read in Colab (roles as "
-          "links, the book's macros defined); notebooks/ holds the MyST sources.\n"
+          "links, the book's macros defined); notebooks/ holds the MyST sources, shown with the book's macros.\n"
           f"Open  http://127.0.0.1:{port}/lab/tree/notebooks/colab?token={token}\n", flush=True)
     cmd = lab_command(port, token)
-    os.execv(sys.executable, cmd)
+    shim = ROOT / ".curvlab_cache" / "lab"  # a module jupyter_server can import: the contents manager above
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "curvlab_lab_contents.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'tools')!r})\nimport colab\n\n"
+        "MacroContentsManager = colab.lab_contents_manager()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")])))
+    os.execve(sys.executable, cmd, env)
     return 0  # pragma: no cover
 
 
