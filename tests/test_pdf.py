@@ -165,3 +165,5 @@ def test_chapter_handout_has_theorem_blocks_and_figure_captions(handout):
     assert blocks, "no theorem block in the LaTeX source"
     for title, body in blocks:
         assert len(body.strip()) > 20, f"the block {title[:60]!r} is empty in the PDF"
+    # A proof is text, not a box with an empty title bar (sphinx-proof's untitled admonition).
+    assert "Proof." in flat and not re.search(r"\\begin\{sphinxadmonition\}\{note\}\s*\\sphinxAtStartPar", tex)

@@ -195,10 +195,40 @@ class ReferenceLists:
         app.add_post_transform(Transform)
 
 
+class PlainProofs:
+    """Sphinx post-transform (LaTeX builder): a proof is typeset as text ("Proof. ..."), not as an untitled box.
+
+    sphinx-proof wraps a proof in an admonition without a title; Sphinx's LaTeX writer then opens a note box whose
+    title argument swallows the first paragraph's ``\\sphinxAtStartPar``: an empty title bar above every proof.
+    The proof's text already starts with "Proof.", so the box is dropped and its paragraphs kept.
+    """
+
+    @classmethod
+    def setup(cls, app) -> None:
+        from docutils import nodes
+        from sphinx.transforms.post_transforms import SphinxPostTransform
+
+        class Transform(SphinxPostTransform):
+            default_priority = 3
+            formats = ("latex",)
+
+            def run(self, **kwargs) -> None:
+                def is_proof_box(node) -> bool:
+                    return (isinstance(node, nodes.admonition) and "proof" in node.get("classes", [])
+                            and not any(isinstance(c, nodes.title) for c in node.children))
+
+                for box in list(self.document.findall(is_proof_box)):
+                    plain = nodes.container("", *box.children, classes=["proof"], ids=box.get("ids", []))
+                    box.replace_self(plain)
+
+        app.add_post_transform(Transform)
+
+
 def setup_handout(app) -> None:
     """The handout's Sphinx hooks (called from the overlay ``conf.py``)."""
     FigureCaptions.setup(app)
     ReferenceLists.setup(app)
+    PlainProofs.setup(app)
 
 
 def overlay_conf(conf_dir: Path, toc: Path | None, root_doc: str) -> None:
