@@ -138,6 +138,8 @@ def _environment(tmp: Path, name: str, offline: bool) -> dict[str, str]:
     env.update(CURVLAB_LEDGER_DIR=str(tmp / f"ledger-{name}"), CURVLAB_CACHE_DIR=str(tmp / f"cache-{name}"),
                OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     env.pop("CURVLAB_DEVICE", None)
+    # the checkout's library, whatever else is installed (a non-editable curvlab in site-packages would shadow it)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "lib"), *filter(None, [env.get("PYTHONPATH")])])
     if offline:
         guard = tmp / "guard"
         guard.mkdir(exist_ok=True)

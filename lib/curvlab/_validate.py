@@ -168,6 +168,8 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
 def check_int_sequence(name: str, value: Any, *, min_value: int | None = None) -> list[int]:
     """A list (or tuple) of integers, each ``>= min_value`` when given; a bare number or a string is refused with
     a :class:`TypeError` that names ``name`` and says a sequence was expected."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 1:
+        value = value.tolist()                      # a 1-d NumPy array of integers reads as a list
     if isinstance(value, (str, bytes)) or isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a list of integers (e.g. [{value!r}] for a single entry), got "
                         f"{type(value).__name__}" if isinstance(value, int) and not isinstance(value, bool)
