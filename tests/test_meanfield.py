@@ -177,6 +177,24 @@ def test_refit_is_min_norm_least_squares_and_interpolates_when_wide():
         torch.testing.assert_close(q.W, p.W)
 
 
+def test_refit_cut_off_is_on_gram_eigenvalues_that_is_squared_singular_values():
+    """The convention the docstrings state: rcond on the Gram's eigenvalues = pinv with rtol = sqrt(rcond) on the
+    singular values of J_v; on nearly collinear features (SiLU, tiny sigma_0) pinv's default cut differs."""
+    data = mf.teacher_student([0], act="silu", n=60, n_test=200, d=4, m_teacher=3)
+    p = mf.init_student(120, 4, init_std=0.01, seeds=[0])
+    Phi = mf.features(p, data.X, "silu")[0].double() / 120
+    s = torch.linalg.svdvals(Phi)
+    assert float(s[-1] / s[0]) < 1e-8                                   # the Gram spans more decades than 1e-10
+    for rcond in (1e-6, 1e-10):
+        got = mf.refit_output(p, data.X, data.Y, "silu", rcond=rcond).v[0]
+        want = torch.linalg.pinv(Phi, rtol=rcond ** 0.5) @ data.Y[0].double()
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=1e-8 * float(want.abs().max()))
+    book = mf.loss(mf.random_features(p, data.X, data.Y, "silu"), data.X_test, data.Y_test, "silu")
+    v_pinv = torch.linalg.pinv(Phi) @ data.Y[0].double()
+    other = mf.loss(mf.MFParams(v_pinv.unsqueeze(0).to(p.W.dtype), p.W, p.b), data.X_test, data.Y_test, "silu")
+    assert not torch.allclose(book, other, rtol=1e-3)                  # the convention matters here
+
+
 def test_random_features_and_test_lrfit():
     data = mf.teacher_student([0, 1], act="relu", n=20, n_test=50, d=4, m_teacher=3)
     p0 = mf.init_student(30, 4, init_std=1.0, seeds=[0, 1])
