@@ -661,9 +661,13 @@ class DeckLayout:
             self.flush()
             return self.heading(b)
         h = block_height(b)
-        if b.kind == "text" and "\n" not in b.text.strip() and visible_chars(b.text) <= 80 and self.lead_in is None:
+        if b.kind == "text" and self.lead_in is None and (
+            visible_chars(b.text) <= 80 or (b.text.rstrip().endswith((":", ",")) and visible_chars(b.text) <= 4 * TEXT_CHARS)
+        ):  # a short line, or a paragraph that introduces what follows ("... by the two factors,"): kept with it
             self.lead_in = (b.text, h)
             return None
+        if self.lead_in is not None and self.lead_in[1] + h > self.budget - CONT_TITLE:
+            self.flush()  # the lead-in and its block do not fit one slide together: the lead-in goes first
         if b.kind == "box":
             if any(c in b.open for c in OWN_SLIDE_BOXES):
                 self.flush()
