@@ -60,7 +60,7 @@ strip: env
 
 # Lecture kit (book/lecture_kit.md): offline reveal.js decks, student notebooks, the XeLaTeX handout.
 slides: env
-	CURVLAB_PROFILE=$(PROFILE) $(PY) tools/slides.py --jobs $(JOBS)
+	CURVLAB_PROFILE=$(PROFILE) $(PY) tools/slides.py --jobs $(JOBS) $(if $(OUTPUTS),--outputs $(OUTPUTS))
 
 student: env
 	$(PY) tools/student.py
