@@ -505,7 +505,8 @@ class Converter:
         if name in ("sub", "sup"):
             return f"<{name}>{content}</{name}>"
         if name == "download":
-            return f"[{text or Path(target).name}]({self.repo}/blob/{self.ref}/{os.path.normpath(str(Path(self.doc).parent / target))})"
+            rel = os.path.normpath(str(Path(self.doc).parent / target))
+            return f"[{text or Path(target).name}]({self.repo}/blob/{self.ref}/{rel})"
         if name in ("kbd", "command", "file", "samp", "code", "literal", "guilabel", "menuselection"):
             return f"`{content}`"
         self.problems.append(f"role {{{name}}} has no conversion")
@@ -729,13 +730,13 @@ if IN_COLAB and importlib.util.find_spec("curvlab") is None:
 '''
 
 FETCH_BLOCK = '''\
-for name in {files!r}:  # data files this chapter reads, from the repository at REF when they are not here
+for name in {files!r}:  # data files the chapter reads: fetched when not here
     if not os.path.exists(name):
         import shutil, urllib.request
         os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
         if os.path.exists(os.path.join("..", name)):  # a copy opened from notebooks/colab/ of a clone
             shutil.copy(os.path.join("..", name), name)
-        else:
+        else:  # Colab: from the repository at REF
             urllib.request.urlretrieve(f"{raw}/{{REF}}/notebooks/{{name}}", name)
 '''
 
@@ -772,7 +773,7 @@ def split_setup(src: str) -> tuple[str, str]:
     while k < len(lines) and (not lines[k].strip() or lines[k][0] in " \t"):
         k += 1
     # a data-file loop that follows belongs to the block as well
-    if k < len(lines) and lines[k].startswith("for name in ") and "data files" in lines[k]:
+    if k < len(lines) and lines[k].startswith("for name in ") and "data files" in lines[k]:  # FETCH_BLOCK
         k += 1
         while k < len(lines) and (not lines[k].strip() or lines[k][0] in " \t"):
             k += 1
@@ -874,7 +875,7 @@ def fix_setup_cells(paths: list[Path], ref: str | None = None) -> int:
         if cell_source(nb["cells"][k]) == new:
             continue
         nb["cells"][k]["source"] = new
-        path.write_text(nbtool.dumps(nbtool.normalize(nb)))
+        path.write_text(nbtool.dumps(nb))  # the stored form (nbtool); other cells exactly as read
         print(f"setup cell of {path.name} rewritten")
     return 0
 
