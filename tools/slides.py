@@ -666,37 +666,43 @@ class DeckLayout:
         ):  # a short line, or a paragraph that introduces what follows ("... by the two factors,"): kept with it
             self.lead_in = (b.text, h)
             return None
-        if self.lead_in is not None and self.lead_in[1] + h > self.budget - CONT_TITLE:
+        if self.lead_in is not None and self.lead_in[1] + h > self.budget - CONT_TITLE and b.kind in ("math", "box"):
             self.flush()  # the lead-in and its block do not fit one slide together: the lead-in goes first
+        # (a list, paragraph or listing that is split takes the lead-in along with its first part)
         if b.kind == "box":
             if any(c in b.open for c in OWN_SLIDE_BOXES):
                 self.flush()
             return self.box(b, h)
-        if h <= self.budget - CONT_TITLE:
+        if h <= self.room():
             return self.add_md(b.text, h)
         if b.kind == "code":  # between lines
             lines = b.text.splitlines()
             fence, body, close = lines[0], lines[1:-1], lines[-1]
             chunk: list[str] = []
             for line in body:
-                if chunk and code_height(chunk + [line]) > self.budget - CONT_TITLE:
+                if chunk and code_height(chunk + [line]) > self.room():
                     self.add_md("\n".join([fence, *chunk, close]), code_height(chunk))
                     chunk = []
                 chunk.append(line)
             return self.add_md("\n".join([fence, *chunk, close]), code_height(chunk))
         parts = list_items(b.text) if b.kind == "list" else re.split(r"(?<=[.;:])\s+(?=[A-Z(])", b.text) if b.kind == "text" else []
         if len(parts) < 2:
-            return self.add_md(b.text, h)  # one equation or sentence too tall: the slide scrolls
+            self.flush()
+            return self.add_md(b.text, h)  # one sentence too tall: the slide scrolls
         acc: list[str] = []
         for part in parts:
             joined = ("\n" if b.kind == "list" else " ").join(acc + [part])
-            if acc and self._h(b.kind, joined) > self.budget - CONT_TITLE:
+            if acc and self._h(b.kind, joined) > self.room():
                 text = ("\n" if b.kind == "list" else " ").join(acc)
                 self.add_md(text, self._h(b.kind, text))
                 acc = []
             acc.append(part)
         text = ("\n" if b.kind == "list" else " ").join(acc)
         self.add_md(text, self._h(b.kind, text))
+
+    def room(self) -> float:
+        """What a block may take of a fresh slide: the budget less the continuation title and a pending lead-in."""
+        return self.budget - CONT_TITLE - (self.lead_in[1] if self.lead_in is not None else 0.0)
 
     @staticmethod
     def _h(kind: str, text: str) -> float:
