@@ -15,6 +15,11 @@ is also the quick way to try it.
   in ``_build/pdf/conf/conf.py``.
 * **Outputs** come from the book's execution cache (same key as ``make book``), so after ``make book`` nothing
   re-executes; otherwise the notebooks run first, ``--jobs`` at a time.
+* **What the book keeps in print** (Sphinx post-transforms, :func:`setup_handout`): each figure's caption
+  (``FigureCaptions``), a References list per chapter (``ReferenceLists``), proofs as text (``PlainProofs``).
+* **A lost bibliography fails the build** (exit code 3): a bibliography file that cannot be read or a missing key
+  (Sphinx's warnings), no formatted reference in the LaTeX source, or, where ``pdftotext`` is installed, no
+  References section with entries in the PDF, while the chapters cite.
 * **TeX.** ``tools/install_tex.sh`` installs Debian's TeX Live packages (XeLaTeX, latexmk, the fonts Sphinx uses).
 
 The PDF is written to ``_build/pdf/curvature-lab.pdf``.
@@ -345,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     if rc or not pdf.exists():
         print(f"XeLaTeX failed (exit code {rc}): see {out / 'xelatex.log'}", file=sys.stderr)
         return rc or 1
+    if shutil.which("pdftotext") and sources_cite(docs):  # the typeset PDF itself lists references
+        text = subprocess.run(["pdftotext", str(pdf), "-"], capture_output=True, text=True).stdout
+        if not re.search(r"\bReferences\b\W*\[1\]\s*\S", text):
+            print(f"the handout has no bibliography: no References section with entries in {pdf}", file=sys.stderr)
+            return 3
     shutil.copy2(pdf, out / pdf.name)
     print(f"handout: {out / pdf.name} (sphinx {t1 - t0:.0f} s, xelatex {time.time() - t1:.0f} s)")
     return 0
