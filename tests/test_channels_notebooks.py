@@ -275,3 +275,4 @@ def test_lab_serves_chapters_with_the_macros_and_never_saves_them(tmp_path):
                              f"/notebooks/{src.name}"))
     saved = json.loads((tmp_path / "notebooks" / src.name).read_text())
     assert [colab.cell_source(c) for c in saved["cells"]] == [colab.cell_source(c) for c in json.loads(src.read_text())["cells"]]
+    assert "numbering" in colab.lab_frontmatter(numbered=False) and "numbering" not in first.source

@@ -883,30 +883,35 @@ def fix_setup_cells(paths: list[Path], ref: str | None = None) -> int:
 LAB_MACROS_TAG = "curvlab-lab-macros"
 
 
-def lab_frontmatter(macros: dict[str, tuple[str, int]] | None = None) -> str:
-    """MyST front matter defining the book's macros: what jupyterlab-myst reads from a notebook's first cell."""
+def lab_frontmatter(macros: dict[str, tuple[str, int]] | None = None, *, numbered: bool = True) -> str:
+    """MyST front matter defining the book's macros: what jupyterlab-myst reads from a notebook's first cell.
+    ``numbered=False`` turns off its numbering of every display equation (a copy's ``\\tag`` carries the book's)."""
     macros = macros or load_macros()
-    body = yaml.safe_dump({"math": {f"\\{k}": v for k, (v, _n) in macros.items()}}, allow_unicode=True, width=1000)
-    return f"---\n{body}---"
+    front: dict[str, Any] = {"math": {f"\\{k}": v for k, (v, _n) in macros.items()}}
+    if not numbered:
+        front["numbering"] = {"equation": False}
+    return f"---\n{yaml.safe_dump(front, allow_unicode=True, width=1000)}---"
 
 
 def lab_contents_manager():
-    """A Jupyter contents manager that serves every chapter under notebooks/ with a first cell of front matter defining
-    the book's macros (jupyterlab-myst reads ``math:`` there), and drops that cell again on save: the files on disk
-    never hold it. ``make lab`` runs JupyterLab with it."""
+    """A Jupyter contents manager that serves every notebook under notebooks/ with a first cell of front matter defining
+    the book's macros (jupyterlab-myst reads ``math:`` there; for the clean copies it also turns off jupyterlab-myst's
+    numbering of every display equation), and drops that cell again on save: the files on disk never hold it.
+    ``make lab`` runs JupyterLab with it."""
     from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
     from nbformat.v4 import new_markdown_cell
 
-    front = lab_frontmatter()
+    fronts = {True: lab_frontmatter(), False: lab_frontmatter(numbered=False)}
 
     def chapter(path: str) -> bool:
         p = Path(path.lstrip("/"))
-        return p.suffix == ".ipynb" and p.parts[:1] == ("notebooks",) and "colab" not in p.parts
+        return p.suffix == ".ipynb" and p.parts[:1] == ("notebooks",)
 
     class MacroContentsManager(AsyncLargeFileManager):
         async def get(self, path, content=True, type=None, format=None, **kwargs):
             model = await super().get(path, content=content, type=type, format=format, **kwargs)
             if content and model.get("type") == "notebook" and chapter(path) and model.get("content") is not None:
+                front = fronts["colab" not in Path(path.lstrip("/")).parts]
                 cell = new_markdown_cell(front, metadata={"tags": [LAB_MACROS_TAG], "editable": False,
                                                           "deletable": False})
                 cell["id"] = LAB_MACROS_TAG
