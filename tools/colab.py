@@ -715,7 +715,9 @@ import importlib.util, os, subprocess, sys
 REPO = "{repo}"
 REF = "{ref}"  # the release tag in a release, else the branch the book is built from (tools/colab.py)
 EXTRAS = "{extras}"  # what this chapter needs beyond curvlab's core{extras_note}
-IN_COLAB = "COLAB_RELEASE_TAG" in os.environ or importlib.util.find_spec("google.colab") is not None
+# find_spec("google.colab") imports the package "google" first: ask for it only where "google" exists
+IN_COLAB = "COLAB_RELEASE_TAG" in os.environ or (
+    importlib.util.find_spec("google") is not None and importlib.util.find_spec("google.colab") is not None)
 if IN_COLAB and importlib.util.find_spec("curvlab") is None:
     import numpy, torch  # never reinstalled: pinned to the versions already there
     with open("/tmp/curvlab-pins.txt", "w") as pins:
