@@ -529,6 +529,7 @@ def _build_finished(app: Sphinx, exception: Exception | None) -> None:
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
+    app.setup_extension("curvlab_launch")  # Colab launch buttons open the clean copies (notebooks/colab/)
     app.connect("config-inited", _config_inited, priority=100)
     app.add_node(LedgerNode)
     app.add_node(StatusNode)
