@@ -99,7 +99,7 @@ class Tolerance:
     """
 
     components: tuple[tuple[str, float, str], ...]
-    #: One entry per component: ``None``, ``"prediction"`` (the component was computed from the predicted value,
+    #: One entry per component, ``None``, ``"prediction"`` (the component was computed from the predicted value,
     #: declared by the author) or a reference array (:meth:`deviation`), compared with the prediction at check time.
     references: tuple[Any, ...] = ()
 
@@ -745,7 +745,7 @@ class expect_failure:
 #: A tolerance component equal to the check's own error, foil error or effect to this relative precision was
 #: fitted to the outcome, not computed from the run.
 LINT_RTOL = 1e-9
-#: Typed ratios: a component equal to ``r · max|predicted|`` with ``r`` one of these is a hand-typed relative
+#: Typed ratios, a component equal to ``r · max|predicted|`` with ``r`` one of these is a hand-typed relative
 #: tolerance on the prediction (1, 2 and 5 times a power of ten, 1e-12 … 1).
 _ROUND_RATIOS = tuple(c * 10.0**k for k in range(-12, 1) for c in (1.0, 2.0, 5.0) if c * 10.0**k <= 1.0)
 LINT_RULES = {

@@ -607,8 +607,8 @@ def amgd_update(problem: LinRepProblem, state: LinRepState, batch: dict, hp: dic
     return _finish(state, F, G, Sxx, Syx, hp)
 
 
-#: Methods whose G-step right-multiplies by :math:`(\hat\Sigma + \lambda_G I_d)^{-1}`: with ``lam_G = 0`` they need
-#: a batch of at least ``d`` samples (:func:`_check_run`, :func:`_whitened`).
+#: Methods whose G-step right-multiplies by :math:`(\hat\Sigma + \lambda_G I_d)^{-1}`, so that with ``lam_G = 0``
+#: they need a batch of at least ``d`` samples (:func:`_check_run`, :func:`_whitened`).
 INPUT_WHITENED = ("K-FAC", "DFW")
 
 
