@@ -212,9 +212,12 @@ def _fresh_python(tmp_path_factory) -> Path:
     py = FRESH / "bin" / "python"
     key = hashlib.sha256((TORCH + (ROOT / "lib" / "pyproject.toml").read_text()).encode()).hexdigest()
     stamp = FRESH / ".curvlab-key"
-    if not py.exists() or not stamp.exists() or stamp.read_text() != key:  # requirements changed: start afresh
+    cfg = FRESH / "pyvenv.cfg"  # without it the copied interpreter IS the base one, and pip would install there
+    if not py.exists() or not cfg.exists() or not stamp.exists() or stamp.read_text() != key:
         venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True).create(FRESH)
         stamp.write_text(key)
+    isolated = subprocess.run([str(py), "-c", "import sys; sys.exit(sys.prefix == sys.base_prefix)"])
+    assert isolated.returncode == 0, f"{FRESH} is not a virtual environment: refusing to pip install into the base Python"
     pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
     have_torch = subprocess.run([str(py), "-c", "import torch"], capture_output=True).returncode == 0
     if not have_torch:

@@ -1173,8 +1173,14 @@ def tangent_norm2(G, Gstar) -> torch.Tensor:
     Gstar = as_tensor("Gstar", Gstar, dtype=torch.float64)
     if G.dim() < 2 or G.shape[-2:] != Gstar.shape[-2:]:
         raise ValueError(f"G must have Gstar's shape {tuple(Gstar.shape[-2:])} (k x d), got {tuple(G.shape)}")
+    check_finite("G", G)
+    check_finite("Gstar", Gstar)
     A = G @ Gstar.transpose(-2, -1)
     E = G - A @ Gstar
+    sv = torch.linalg.svdvals(A)
+    if bool((sv[..., -1] <= sv[..., :1].squeeze(-1).clamp_min(1.0) * G.shape[-1] * torch.finfo(A.dtype).eps).any()):
+        raise ValueError("G G_star^T must be invertible: G's row space has a direction orthogonal to Gstar's "
+                         "(a principal angle of 90 degrees, so the tangent is infinite), or G or Gstar is rank-deficient")
     return torch.linalg.solve(A, E).square().sum((-2, -1))
 
 

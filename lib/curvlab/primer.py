@@ -570,6 +570,8 @@ def _check_factors(B, a) -> tuple[torch.Tensor, torch.Tensor]:
                          f"got {tuple(a.shape)} and {tuple(B.shape)}")
     if a.shape[:2] != B.shape[:2]:
         raise ValueError(f"a and B must agree on (n, n_pos): {tuple(a.shape[:2])} vs {tuple(B.shape[:2])}")
+    if a.shape[0] == 0 or a.shape[1] == 0:
+        raise ValueError(f"a and B must hold at least one sample and one position, got (n, n_pos) = {tuple(a.shape[:2])}")
     return B, a
 
 
