@@ -88,7 +88,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "regimes.activation": "name='': ValueError \"act must be one of [...]\" names 'act', the argument is 'name'",
     "regimes.gd_step": "a 0-d active mask: IndexError 'too many indices for tensor of dimension 0'",
     "regimes.kernel_change": "returns NaN (K0 = 0 or a NaN entry) instead of a clear error",
-    "regimes.wcd": "a 1-d W: IndexError 'tuple index out of range'",
     "regimes.summarise": "by=[]: pandas ValueError 'No group keys passed!' names no argument",
     "regimes.plot_metric": "a frame without the x column: KeyError 'm'",
     "linrep_baselines.grid_scores": "problem=None: AttributeError \"'NoneType' object has no attribute 'Gstar'\"",

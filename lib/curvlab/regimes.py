@@ -631,6 +631,9 @@ def kernel_change(K0, K1) -> torch.Tensor:
 def _teacher_rows(W, W_teacher) -> tuple[torch.Tensor, torch.Tensor]:
     W = check_finite("W", as_tensor("W", W))
     Wt = check_finite("W_teacher", as_tensor("W_teacher", W_teacher, dtype=W.dtype, device=W.device))
+    if W.dim() not in (2, 3) or Wt.dim() not in (2, 3):
+        raise ValueError(f"W must be (m, d) or (S, m, d) and W_teacher (m_teacher, d) or (S, m_teacher, d), got "
+                         f"{tuple(W.shape)} and {tuple(Wt.shape)}")
     if W.dim() == 2:
         W = W.unsqueeze(0)
     if Wt.dim() == 2:
