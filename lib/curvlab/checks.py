@@ -60,6 +60,7 @@ __all__ = [
     "claim",
     "at_grid_edge",
     "lint",
+    "LINT_RTOL",
     "LintFinding",
     "evidence_summary",
     "section",
