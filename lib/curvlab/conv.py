@@ -1,0 +1,343 @@
+r"""The Gauss–Newton matrix of a two-layer linear convolutional network (Part III, chapter 31).
+
+Source: Zhao, Singh & Lucchi (2024), *Theoretical characterisation of the Gauss–Newton conditioning in neural
+networks* (their convolutional extension; the book's version is derived in ``notebooks/31_gn_conditioning_factors``).
+
+**The network.** An image :math:`x\in\mathbb R^{N\times N}` (flattened row-major, :math:`d=N^2`) goes through one
+convolution with :math:`c` filters :math:`K\in\mathbb R^{c\times s\times s}` (stride 1, no padding, no bias:
+``torch.nn.Conv2d(1, c, s, bias=False)``), giving :math:`c` maps of side :math:`o=N-s+1`, then through a linear
+read-out :math:`V\in\mathbb R^{d_y\times co^2}` of the flattened maps (channel-major, as ``nn.Flatten`` orders them).
+
+**Toeplitz form.** With the shift matrices :math:`S_u\in\{0,1\}^{o^2\times d}`, :math:`(S_ux)_p = x_{p+u}` for the
+:math:`s^2` offsets :math:`u` of the kernel (:func:`shift_matrices`), the convolution is the matrix
+
+.. math::
+
+    T(K) = \sum_u K_{:,u}\otimes S_u \in \mathbb R^{co^2\times d},\qquad f(x) = V\,T(K)\,x,
+
+(row-major Kronecker product, :func:`toeplitz`). The end-to-end map :math:`M = VT(K)` is linear in each factor; its
+derivative in :math:`K` has the columns :math:`\operatorname{vec}(V_kS_u)`, :math:`V_k` the read-out block of
+channel :math:`k` (:func:`readout_unfold`, the matrix :math:`C(V)\in\mathbb R^{d_yd\times cs^2}`), and in :math:`V`
+it is :math:`I_{d_y}\otimes T^\top`. Hence, with :math:`\hat\Sigma = X^\top X/n`,
+
+.. math::
+
+    H_{\mathrm{GN}} = \Gamma^\top(I_{d_y}\otimes\hat\Sigma)\Gamma,\qquad
+    H^{\mathrm{red}}_{\mathrm{GN}} = I_{d_y}\otimes \hat\Sigma^{1/2}T^\top T\hat\Sigma^{1/2}
+        + (I_{d_y}\otimes\hat\Sigma^{1/2})\,C C^\top(I_{d_y}\otimes\hat\Sigma^{1/2}),
+
+and the two have the same nonzero eigenvalues (:func:`gn_reduced`; :func:`gn_dense` is the torch.func reference of
+the actual ``nn.Conv2d`` model). With :math:`W = T\hat\Sigma^{1/2}`, :math:`C_\Sigma = (I\otimes\hat\Sigma^{1/2})C`
+and :math:`r = \operatorname{rank}\hat\Sigma`, Weyl's inequalities give the bound of Lemma 1's shape
+(:func:`kappa_bound`):
+
+.. math::
+
+    \kappa(H_{\mathrm{GN}}) \le \frac{\sigma_1^2(W) + \sigma_1^2(C_\Sigma)}{\sigma_r^2(W) + \sigma_{d_yr}^2(C_\Sigma)},
+
+with equality when the kernel covers the image (:math:`s = N`: the convolution is a dense layer).
+Every tensor may carry leading batch dimensions (one network per seed); spectral work is float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pandas as pd
+import torch
+
+from . import config, linalg
+from ._validate import as_tensor, check_finite, check_int, check_matrix
+from .deep_linear import Condition, condition
+from .linalg import default_rtol
+
+__all__ = [
+    "output_side",
+    "shift_matrices",
+    "toeplitz",
+    "readout_unfold",
+    "init_weights",
+    "conv_model",
+    "flat_model",
+    "gn_dense",
+    "gn_reduced",
+    "gn_reduced_dense_foil",
+    "bound_terms",
+    "kappa_bound",
+    "gn_condition",
+    "whiten_images",
+    "conditioning_frame",
+]
+
+
+# ============================================================================================ shapes
+def output_side(image: int, s: int, padding: int = 0) -> int:
+    r"""Side :math:`o = N + 2\,\mathrm{padding} - s + 1` of a stride-1 convolution of an ``image x image`` input with
+    an ``s x s`` kernel and zero ``padding`` (0: valid; :math:`(s-1)/2` for odd :math:`s`: same). ValueError if the
+    kernel is larger than the image or the padding is not in :math:`[0, s-1]`."""
+    N = check_int("image", image, min_value=1)
+    s = check_int("s", s, min_value=1)
+    if s > N:
+        raise ValueError(f"kernel size s must be <= the image side image = {N}, got s = {s}")
+    padding = check_int("padding", padding, min_value=0)
+    if padding > s - 1:
+        raise ValueError(f"padding must be <= s - 1 = {s - 1} (more only adds all-zero maps), got {padding}")
+    return N + 2 * padding - s + 1
+
+
+def shift_matrices(image: int, s: int, padding: int = 0, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    r"""The :math:`s^2` selection matrices :math:`S_u\in\{0,1\}^{o^2\times N^2}`, :math:`(S_ux)_{(a,b)} =
+    x_{(a+i-\mathrm{padding},\,b+j-\mathrm{padding})}` for the offset :math:`u=(i,j)` (zero where that pixel lies in
+    the padding), row-major in :math:`u`, :math:`(a,b)` and the pixels; shape ``(s*s, o*o, image*image)``. Row
+    :math:`u` of ``F.unfold`` of an image is :math:`S_ux`."""
+    o = output_side(image, s, padding)
+    linalg._check_float_dtype("dtype", dtype)
+    i, j = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
+    a, b = torch.meshgrid(torch.arange(o), torch.arange(o), indexing="ij")
+    row = a.reshape(1, -1) + i.reshape(-1, 1) - padding                       # (s^2, o^2)
+    col = b.reshape(1, -1) + j.reshape(-1, 1) - padding
+    inside = (row >= 0) & (row < image) & (col >= 0) & (col < image)
+    S = torch.zeros(s * s, o * o, image * image + 1, dtype=dtype)            # last column collects the padding
+    S.scatter_(2, torch.where(inside, row * image + col, image * image).unsqueeze(-1), 1.0)
+    return S[..., :-1].contiguous()
+
+
+def _check_kernel(K, image: int, padding: int = 0) -> tuple[torch.Tensor, int, int, int]:
+    K = config.spectral(check_finite("K", as_tensor("K", K)))
+    if K.dim() < 3 or K.shape[-1] != K.shape[-2] or K.shape[-3] == 0 or K.shape[-1] == 0:
+        raise ValueError(f"K must have shape (..., c, s, s) with c, s >= 1, got {tuple(K.shape)}")
+    N = check_int("image", image, min_value=1)
+    c, s = K.shape[-3], K.shape[-1]
+    if s > N:
+        raise ValueError(f"K: kernel size s = {s} must be <= the image side image = {N}")
+    return K, c, s, output_side(N, s, padding)
+
+
+def _check_readout(V, K: torch.Tensor, c: int, o: int) -> torch.Tensor:
+    V = config.spectral(check_finite("V", as_tensor("V", V)))
+    if V.dim() < 2 or V.shape[-1] != c * o * o or V.shape[-2] == 0:
+        raise ValueError(f"V must have shape (..., d_y, c*o*o) = (..., d_y, {c * o * o}) with d_y >= 1 "
+                         f"(c = {c} maps of side o = {o}), got {tuple(V.shape)}")
+    if V.shape[:-2] != K.shape[:-3]:
+        raise ValueError(f"V and K must share their batch dimensions, got {tuple(V.shape[:-2])} and "
+                         f"{tuple(K.shape[:-3])}")
+    return V
+
+
+# ============================================================================================ Toeplitz form
+def toeplitz(K, image: int = 8, padding: int = 0) -> torch.Tensor:
+    r"""The convolution as a matrix, :math:`T(K)=\sum_uK_{:,u}\otimes S_u\in\mathbb R^{co^2\times N^2}`
+    (row-major), so that ``T @ x.reshape(-1)`` is ``conv2d(x, K).reshape(-1)``; batched over leading dimensions of
+    ``K: (..., c, s, s)`` (chapter 31)."""
+    K, c, s, o = _check_kernel(K, image, padding)
+    S = shift_matrices(image, s, padding, dtype=K.dtype)
+    T = torch.einsum("...ku,upq->...kpq", K.reshape(*K.shape[:-2], s * s), S)
+    return T.reshape(*K.shape[:-3], c * o * o, image * image)
+
+
+def readout_unfold(V, c: int, s: int, image: int = 8, padding: int = 0) -> torch.Tensor:
+    r"""The derivative of :math:`\operatorname{vec}(VT(K))` in :math:`K`: the matrix :math:`C(V)\in
+    \mathbb R^{d_yN^2\times cs^2}` whose column :math:`(k,u)` is :math:`\operatorname{vec}(V_kS_u)` — row :math:`i`
+    of :math:`V_kS_u` is read-out map :math:`i` of channel :math:`k` placed at offset :math:`u` in an empty image
+    (a transposed convolution). Batched over leading dimensions of ``V: (..., d_y, c*o*o)`` (chapter 31)."""
+    c = check_int("c", c, min_value=1)
+    o = output_side(image, s, padding)
+    V = config.spectral(check_finite("V", as_tensor("V", V)))
+    if V.dim() < 2 or V.shape[-1] != c * o * o or V.shape[-2] == 0:
+        raise ValueError(f"V must have shape (..., d_y, c*o*o) = (..., d_y, {c * o * o}), got {tuple(V.shape)}")
+    S = shift_matrices(image, s, padding, dtype=V.dtype)
+    d_y = V.shape[-2]
+    Vk = V.reshape(*V.shape[:-1], c, o * o)                                  # (..., d_y, c, o^2)
+    C = torch.einsum("...ikp,upq->...iqku", Vk, S)                            # (..., d_y, N^2, c, s^2)
+    return C.reshape(*V.shape[:-2], d_y * image * image, c * s * s)
+
+
+# ============================================================================================ the model
+def init_weights(c: int, s: int, d_y: int, *, image: int = 8, padding: int = 0, batch: Sequence[int] = (), scale: float = 1.0,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""LeCun-initialised ``(K, V)``: kernel entries of variance :math:`1/s^2` (the fan-in of a filter), read-out
+    entries of variance :math:`1/(co^2)`, times ``scale``; shapes ``(*batch, c, s, s)`` and ``(*batch, d_y, c o^2)``."""
+    c = check_int("c", c, min_value=1)
+    d_y = check_int("d_y", d_y, min_value=1)
+    o = output_side(image, s, padding)
+    batch = tuple(check_int("batch", b, min_value=1) for b in batch)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    dt = torch.float64
+    K = torch.randn(*batch, c, s, s, generator=generator, dtype=dt) * (scale / s)
+    V = torch.randn(*batch, d_y, c * o * o, generator=generator, dtype=dt) * (scale / math.sqrt(c * o * o))
+    return K, V
+
+
+def conv_model(c: int, s: int, d_y: int, *, image: int = 8, padding: int = 0) -> torch.nn.Module:
+    """The network as torch modules, float64: ``Unflatten -> Conv2d(1, c, s, bias=False) -> Flatten ->
+    Linear(c o^2, d_y, bias=False)``; its parameters are named ``"1.weight"`` (the kernel, ``(c, 1, s, s)``) and
+    ``"3.weight"`` (the read-out)."""
+    c = check_int("c", c, min_value=1)
+    d_y = check_int("d_y", d_y, min_value=1)
+    o = output_side(image, s, padding)
+    nn = torch.nn
+    return nn.Sequential(nn.Unflatten(1, (1, image, image)), nn.Conv2d(1, c, s, padding=padding, bias=False),
+                         nn.Flatten(),
+                         nn.Linear(c * o * o, d_y, bias=False)).to(torch.float64)
+
+
+def _check_images(X, image: int) -> torch.Tensor:
+    X = config.spectral(check_matrix("X", X))
+    if X.shape[1] != image * image or X.shape[0] == 0:
+        raise ValueError(f"X must be n x image^2 = n x {image * image} (flattened images), got {tuple(X.shape)}")
+    return X
+
+
+def flat_model(X, K, V, image: int = 8, padding: int = 0):
+    r"""``(fn, theta)`` for :mod:`curvlab.curvature`: ``fn(theta)`` runs :func:`conv_model` (``nn.Conv2d``, not the
+    Toeplitz matrix) on the images ``X: (n, image^2)`` through ``torch.func.functional_call`` and returns the
+    ``n d_y`` outputs; ``theta = [vec K; vec V]``. Unbatched ``K``, ``V``."""
+    K, c, s, o = _check_kernel(K, image, padding)
+    V = _check_readout(V, K, c, o)
+    if K.dim() != 3:
+        raise ValueError(f"K must be unbatched (c, s, s) here, got {tuple(K.shape)}")
+    X = _check_images(X, image)
+    model = conv_model(c, s, V.shape[-2], image=image, padding=padding)
+    from .curvature import flatten_params
+
+    theta, unflatten = flatten_params({"1.weight": K.reshape(c, 1, s, s).clone(), "3.weight": V.clone()})
+
+    def fn(th: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, unflatten(th), (X,)).reshape(-1)
+
+    return fn, theta
+
+
+def gn_dense(K, V, X, image: int = 8, padding: int = 0) -> torch.Tensor:
+    r"""The reference: :math:`H_{\mathrm{GN}} = J^\top J/n` (``p x p``, :math:`p = cs^2 + d_yco^2`) with the
+    Jacobian of the ``nn.Conv2d`` model by torch.func (:func:`flat_model`); memory :math:`O(p^2 + nd_yp)`."""
+    from .curvature import jacobian
+
+    fn, theta = flat_model(X, K, V, image, padding)
+    J = jacobian(fn, theta)
+    return J.T @ J / X.shape[0]
+
+
+# ============================================================================================ reduced form
+def _sigma_root(Sigma_hat, d: int, like: torch.Tensor) -> torch.Tensor | None:
+    if Sigma_hat is None:
+        return None
+    S = check_matrix("Sigma_hat", Sigma_hat, square=True)
+    if S.shape[-1] != d:
+        raise ValueError(f"Sigma_hat must be image^2 x image^2 = {d} x {d}, got {tuple(S.shape)}")
+    return linalg._psd_sqrt("Sigma_hat", S.to(like.dtype))
+
+
+def _factors(K, V, Sigma_hat, image: int, padding: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``W = T Sigma^{1/2}``, ``C_Sigma = (I x Sigma^{1/2}) C`` and d_y."""
+    K, c, s, o = _check_kernel(K, image, padding)
+    V = _check_readout(V, K, c, o)
+    d, d_y = image * image, V.shape[-2]
+    T, C = toeplitz(K, image, padding), readout_unfold(V, c, s, image, padding)
+    R = _sigma_root(Sigma_hat, d, T)
+    if R is not None:
+        T = T @ R
+        C = torch.einsum("qr,...irk->...iqk", R, C.reshape(*C.shape[:-2], d_y, d, C.shape[-1])).reshape(C.shape)
+    return T, C, d_y
+
+
+def gn_reduced(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> torch.Tensor:
+    r""":math:`H^{\mathrm{red}}_{\mathrm{GN}} = I_{d_y}\otimes W^\top W + C_\Sigma C_\Sigma^\top`,
+    :math:`W = T(K)\hat\Sigma^{1/2}`, :math:`C_\Sigma=(I\otimes\hat\Sigma^{1/2})C(V)` (``d_y N^2`` square; whitened
+    inputs when ``Sigma_hat`` is None). Same nonzero eigenvalues as :func:`gn_dense` (chapter 31)."""
+    W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
+    eye = torch.eye(d_y, dtype=W.dtype)
+    return linalg.kron(eye.expand(*W.shape[:-2], d_y, d_y), W.transpose(-2, -1) @ W) + C @ C.transpose(-2, -1)
+
+
+def gn_reduced_dense_foil(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> torch.Tensor:
+    r"""The *wrong* reduced matrix that forgets the weight sharing: Lemma 1's dense-layer form
+    :math:`VV^\top\otimes\hat\Sigma + I\otimes W^\top W` with :math:`T(K)` treated as a free dense layer. Kept as
+    the foil of the chapter's check."""
+    W, _, d_y = _factors(K, V, Sigma_hat, image, padding)
+    V = config.spectral(as_tensor("V", V))
+    d = image * image
+    S = torch.eye(d, dtype=W.dtype) if Sigma_hat is None else config.spectral(as_tensor("Sigma_hat", Sigma_hat))
+    eye = torch.eye(d_y, dtype=W.dtype).expand(*W.shape[:-2], d_y, d_y)
+    return linalg.kron(V @ V.transpose(-2, -1), S.expand(*W.shape[:-2], d, d)) + linalg.kron(
+        eye, W.transpose(-2, -1) @ W)
+
+
+def _rank_sigma(Sigma_hat, d: int) -> int:
+    if Sigma_hat is None:
+        return d
+    S = check_matrix("Sigma_hat", Sigma_hat, square=True)
+    lam = torch.linalg.eigvalsh(config.spectral(S))
+    if not bool(lam[-1] > 0):
+        raise ValueError("Sigma_hat must have a positive largest eigenvalue")
+    return int((lam > default_rtol(d) * lam[-1]).sum())
+
+
+def bound_terms(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> dict[str, torch.Tensor]:
+    r"""The four singular values of the bound: :math:`\sigma_1(W)`, :math:`\sigma_r(W)`, :math:`\sigma_1(C_\Sigma)`,
+    :math:`\sigma_{d_yr}(C_\Sigma)` (zero where the matrix has fewer columns than that), :math:`r`
+    the numerical rank of :math:`\hat\Sigma` (:math:`N^2` when it is None). Batched."""
+    W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
+    r = _rank_sigma(Sigma_hat, image * image)
+    sW, sC = torch.linalg.svdvals(W), torch.linalg.svdvals(C)
+    pick = lambda s, k: s[..., k - 1] if s.shape[-1] >= k else torch.zeros_like(s[..., 0])  # noqa: E731
+    return {"W_max": sW[..., 0], "W_min": pick(sW, r), "C_max": sC[..., 0], "C_min": pick(sC, d_y * r),
+            "rank_sigma": torch.tensor(r)}
+
+
+def kappa_bound(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> torch.Tensor:
+    r"""Lemma 1's shape for the convolutional network:
+    :math:`(\sigma_1^2(W)+\sigma_1^2(C_\Sigma))/(\sigma_r^2(W)+\sigma_{d_yr}^2(C_\Sigma))` (inf when the denominator
+    vanishes). Batched (chapter 31)."""
+    t = bound_terms(K, V, Sigma_hat, image, padding)
+    num = t["W_max"].square() + t["C_max"].square()
+    den = t["W_min"].square() + t["C_min"].square()
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(num.dtype).tiny), torch.full_like(num, math.inf))
+
+
+def gn_condition(K, V, Sigma_hat=None, image: int = 8, padding: int = 0, *, rank: int | None = None) -> Condition:
+    r""":math:`\kappa(H_{\mathrm{GN}})` through :func:`gn_reduced`, cut at the rank :math:`d_yr` (:math:`r` the
+    numerical rank of :math:`\hat\Sigma`) unless ``rank`` is given; the numerical rank and the gap at the cut are
+    reported (:func:`curvlab.deep_linear.condition`). The cut is the full rank of the reduced matrix on the range
+    of :math:`I\otimes\hat\Sigma^{1/2}`; it needs :math:`W` of rank :math:`r` (e.g. :math:`co^2\ge r`)."""
+    H = gn_reduced(K, V, Sigma_hat, image, padding)
+    d_y = H.shape[-1] // (image * image)
+    if rank is None:
+        rank = d_y * _rank_sigma(Sigma_hat, image * image)
+    return condition(torch.linalg.eigvalsh(H), rank=rank)
+
+
+# ============================================================================================ data
+def whiten_images(X, image: int = 8, *, rtol: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Whiten images *in pixel space* (ZCA) with the uncentred second moment of the same samples:
+    :math:`X_{\mathrm w}=XU_r\Lambda_r^{-1/2}U_r^\top`, :math:`r` the numerical rank, so that
+    :math:`X_{\mathrm w}^\top X_{\mathrm w}/n = U_rU_r^\top` (a projection) and every whitened image is still an
+    image. Pixels that are zero in every sample stay zero (they lie outside :math:`U_r`): this is how the
+    constant pixels of the digits are dropped without breaking the grid. Returns ``(X_w, U_r)``."""
+    X = _check_images(X, image)
+    lam, U = torch.linalg.eigh(X.T @ X / X.shape[0])
+    lam, U = lam.flip(-1), U.flip(-1)
+    if not bool(lam[0] > 0):
+        raise ValueError("X must not be all zeros")
+    rtol = default_rtol(X.shape[1]) if rtol is None else float(rtol)
+    if not math.isfinite(rtol) or rtol < 0:
+        raise ValueError(f"rtol must be a finite number >= 0, got {rtol}")
+    r = int((lam > rtol * lam[0]).sum())
+    U_r = U[:, :r]
+    return X @ (U_r / lam[:r].sqrt()) @ U_r.T, U_r
+
+
+def conditioning_frame(K, V, Sigma_hat=None, image: int = 8, padding: int = 0, **labels) -> pd.DataFrame:
+    """One row per network of the batch: ``kappa``, ``bound``, ``bound/kappa``, ``rank``, ``gap`` and the
+    ``labels`` given (e.g. ``c=4, s=3``)."""
+    cond = gn_condition(K, V, Sigma_hat, image, padding)
+    b = kappa_bound(K, V, Sigma_hat, image, padding)
+    kap = cond.kappa.reshape(-1)
+    rows = {"kappa": kap.numpy(), "bound": b.reshape(-1).numpy(), "bound/kappa": (b.reshape(-1) / kap).numpy(),
+            "gap": cond.gap.reshape(-1).numpy(), "rank": cond.rank}
+    frame = pd.DataFrame(rows)
+    for k, v in labels.items():
+        frame[k] = v
+    return frame

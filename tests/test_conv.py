@@ -1,0 +1,125 @@
+"""Tests for curvlab.conv: the Toeplitz matrix against torch's conv2d, the reduced GN matrix against the dense
+torch.func GN matrix of the nn.Conv2d model, the kappa bound (and its equality when the kernel covers the image),
+whitening in pixel space, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from curvlab import conv as cv
+
+F64 = torch.float64
+FAST = settings(max_examples=10, deadline=None)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def top(M, k):
+    return torch.linalg.eigvalsh(M).flip(-1)[:k]
+
+
+@FAST
+@given(st.integers(2, 6), st.integers(1, 3), st.integers(1, 6), st.integers(0, 2), st.integers(0, 2**31 - 1))
+def test_toeplitz_is_conv2d(N, c, s, padding, seed):
+    s = min(s, N)
+    padding = min(padding, s - 1)
+    K = torch.randn(c, s, s, dtype=F64, generator=gen(seed))
+    x = torch.randn(3, N * N, dtype=F64, generator=gen(seed + 1))
+    T = cv.toeplitz(K, N, padding)
+    ref = torch.nn.functional.conv2d(x.view(3, 1, N, N), K.view(c, 1, s, s), padding=padding).reshape(3, -1)
+    o = cv.output_side(N, s, padding)
+    assert T.shape == (c * o * o, N * N)
+    torch.testing.assert_close(x @ T.T, ref, rtol=0, atol=1e-12)
+
+
+def test_shift_matrices_are_unfold():
+    x = torch.randn(1, 1, 5, 5, dtype=F64, generator=gen(0))
+    S = cv.shift_matrices(5, 3, 1)
+    unf = torch.nn.functional.unfold(x, 3, padding=1)[0]           # (s^2, o^2)
+    torch.testing.assert_close(S @ x.reshape(-1), unf, rtol=0, atol=0)
+
+
+@FAST
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.integers(0, 1), st.integers(0, 2**31 - 1))
+def test_readout_unfold_is_jacobian_in_K(c, s, d_y, padding, seed):
+    N = 4
+    s = min(s, N)
+    padding = min(padding, s - 1)
+    K, V = cv.init_weights(c, s, d_y, image=N, padding=padding, generator=gen(seed))
+    J = torch.func.jacrev(lambda k: (V @ cv.toeplitz(k, N, padding)).reshape(-1))(K).reshape(d_y * N * N, -1)
+    torch.testing.assert_close(cv.readout_unfold(V, c, s, N, padding), J, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("c,s,padding", [(2, 3, 0), (3, 2, 0), (2, 3, 1), (1, 4, 0)])
+def test_reduced_matches_dense_torch_func(c, s, padding):
+    N, d_y, n = 5, 3, 40
+    K, V = cv.init_weights(c, s, d_y, image=N, padding=padding, generator=gen(c + s))
+    X = torch.randn(n, N * N, dtype=F64, generator=gen(7)) * torch.linspace(0.5, 2, N * N, dtype=F64)
+    H = cv.gn_dense(K, V, X, N, padding)
+    Hr = cv.gn_reduced(K, V, X.T @ X / n, N, padding)
+    k = min(H.shape[0], Hr.shape[0])
+    scale = float(torch.linalg.eigvalsh(H)[-1])
+    torch.testing.assert_close(top(H, k), top(Hr, k), rtol=0, atol=1e-10 * scale)
+    # weight sharing matters: the dense-layer formula is a different matrix
+    foil = top(cv.gn_reduced_dense_foil(K, V, X.T @ X / n, N, padding), k)
+    assert float((foil - top(Hr, k)).abs().max()) > 1e-3 * scale
+
+
+@FAST
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_bound_holds_and_is_equality_when_kernel_covers_image(c, s, seed):
+    N, d_y = 4, 2
+    K, V = cv.init_weights(c + 3, s, d_y, image=N, batch=(3,), generator=gen(seed))
+    if (c + 3) * cv.output_side(N, s) ** 2 >= N * N:                   # W = T(K) of full column rank
+        kap = cv.gn_condition(K, V, image=N).kappa
+        assert bool((kap <= cv.kappa_bound(K, V, image=N) * (1 + 1e-9)).all())
+    K, V = cv.init_weights(max(c, d_y), N, d_y, image=N, batch=(3,), generator=gen(seed))   # s = N: a dense layer
+    torch.testing.assert_close(cv.gn_condition(K, V, image=N).kappa, cv.kappa_bound(K, V, image=N), rtol=1e-9,
+                               atol=0)
+
+
+def test_whiten_images_projection_and_zero_pixels():
+    X = torch.rand(30, 16, dtype=F64, generator=gen(1))
+    X[:, [0, 5]] = 0                                                 # pixels that are zero in every image
+    Xw, U = cv.whiten_images(X, 4)
+    assert U.shape == (16, 14)
+    torch.testing.assert_close(Xw.T @ Xw / 30, U @ U.T, rtol=0, atol=1e-10)
+    assert float(Xw[:, [0, 5]].abs().max()) < 1e-12
+
+
+def test_condition_rank_is_dy_times_rank_sigma():
+    X = torch.rand(30, 16, dtype=F64, generator=gen(2))
+    X[:, 0] = 0
+    Xw, U = cv.whiten_images(X, 4)
+    K, V = cv.init_weights(4, 2, 3, image=4, generator=gen(3))
+    cond = cv.gn_condition(K, V, Xw.T @ Xw / 30, 4)
+    assert cond.rank == 3 * 15 and float(cond.gap) > 1e8
+    frame = cv.conditioning_frame(K.unsqueeze(0), V.unsqueeze(0), U @ U.T, 4, c=4, s=2)
+    assert list(frame.columns[:5]) == ["kappa", "bound", "bound/kappa", "gap", "rank"] and frame.c[0] == 4
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="s must be <= the image side"):
+        cv.output_side(8, 9)
+    with pytest.raises(ValueError, match="K: kernel size"):
+        cv.toeplitz(torch.zeros(2, 9, 9, dtype=F64), 8)
+    with pytest.raises(ValueError, match="padding"):
+        cv.shift_matrices(8, 3, 3)
+    with pytest.raises(ValueError, match="K must have shape"):
+        cv.toeplitz(torch.zeros(3, 2, dtype=F64))
+    K, V = cv.init_weights(2, 3, 4)
+    with pytest.raises(ValueError, match="V must have shape"):
+        cv.gn_reduced(K, V[:, :-1])
+    with pytest.raises(ValueError, match="Sigma_hat"):
+        cv.gn_reduced(K, V, torch.eye(10, dtype=F64))
+    with pytest.raises(ValueError, match="X must be"):
+        cv.gn_dense(K, V, torch.zeros(5, 10, dtype=F64))
+    with pytest.raises(ValueError, match="scale"):
+        cv.init_weights(2, 3, 4, scale=-1.0)
+    with pytest.raises(ValueError, match="X must not be all zeros"):
+        cv.whiten_images(torch.zeros(4, 64, dtype=F64))
