@@ -20,7 +20,9 @@ One module per subject the book teaches, plus shared tools:
 ``singleindex`` Part I: one giant step in single-index models — spikes, deterministic-equivalent cosines, risk
 ``synthesis``   K-FAC as structured GN (eigenvalues {1, 2}), Kronecker error, probes of open questions
 ``interact``    sliders in a live kernel, small multiples in the static book
+``conv``        Part III: two-layer linear CNN — Toeplitz form of the convolution, reduced GN matrix, κ bound
 ``paper_runs``  registry of paper-scale grids run outside the book build (``make sweeps``)
+``model``       any ``torch.nn.Module``: GN/GGN products, κ with its rank cut, K-FAC blocks, a kernel-form GN step
 
 Call :func:`setup` once at the top of a notebook.
 """
@@ -32,7 +34,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt", "linrep", "linrep_baselines", "singleindex", "synthesis", "interact", "paper_runs")
+_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt", "linrep", "linrep_baselines", "singleindex", "synthesis", "interact", "paper_runs", "model", "conv")
 __all__ = ["setup", "__version__", *_SUBMODULES]
 
 
