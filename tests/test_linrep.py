@@ -370,3 +370,127 @@ def test_fitted_rate_per_seed_steps_and_orthonormalize():
     with pytest.raises(ValueError, match="eta_G"):
         L.run("K-FAC", P, 2, None, dict(eta_G=torch.tensor([0.2, -0.1])))
     assert st0.G.shape == (2, 2, 7)
+
+
+# ------------------------------------------------------------------------------------------------ finite-sample K-FAC
+def _refit_kfac_tangent(P, Z, Sxx, Syx, eta):
+    """Reference: the K-FAC step written out from the chapter's update rule, then the tangent by angles."""
+    G = P.Gstar + Z
+    F = Syx @ G.mT @ torch.linalg.inv(G @ Sxx @ G.mT)
+    grad = F.mT @ (F @ G @ Sxx - Syx)
+    G1 = G - eta * torch.linalg.inv(F.mT @ F) @ grad @ torch.linalg.inv(Sxx)
+    return G1
+
+
+def test_tangent_matches_principal_angles():
+    P = _problem()
+    G = P.Gstar + 0.3 * torch.randn(P.Gstar.shape, generator=_gen(), dtype=torch.float64)
+    A = torch.randn(3, 2, 2, generator=_gen(1), dtype=torch.float64) + 2 * torch.eye(2)
+    Z = L.tangent(A @ G, P.Gstar)                                  # invariant under G -> A G
+    assert torch.allclose(Z, L.tangent(G, P.Gstar), atol=1e-10)
+    assert (Z @ P.Gstar.mT).abs().max() < 1e-12
+    tan = torch.linalg.matrix_norm(Z, ord=2)
+    sin = L.subspace_distance(G, P.Gstar)
+    assert torch.allclose(tan / (1 + tan**2).sqrt(), sin, atol=1e-10)
+    assert torch.allclose(Z.square().sum((-2, -1)), L.tangent_norm2(G, P.Gstar), rtol=1e-10)
+
+
+def test_exact_tangent_map_against_the_update_rule():
+    P = _problem(noise=0.3)
+    Z = 0.2 * torch.randn(P.Gstar.shape, generator=_gen(), dtype=torch.float64) @ L.perp_projector(P.Gstar)
+    Sxx, Syx = P.sample_moments(40, _gen(2))
+    G1 = _refit_kfac_tangent(P, Z, Sxx, Syx, 0.4)
+    lib = L.kfac_update(P, L.LinRepState(None, P.Gstar + Z), {"Sxx": Sxx, "Syx": Syx}, dict(eta_G=0.4)).G
+    assert torch.allclose(lib, G1, atol=1e-10)
+    D, K = L.kfac_forcing(Z, P.Gstar, Sxx, Syx), L.kfac_coupling(Sxx, P.Gstar, Z)
+    assert torch.allclose(L.tangent(G1, P.Gstar), L.kfac_tangent_step(Z, D, K, 0.4), atol=1e-10)
+    assert (D @ P.Gstar.mT).abs().max() < 1e-12 and D.abs().max() > 1e-3
+    Sxx0, Syx0 = Sxx, P.Fstar @ P.Gstar @ Sxx                     # noiseless moments of the same batch
+    assert L.kfac_forcing(Z, P.Gstar, Sxx0, Syx0).abs().max() < 1e-10
+    # the coupling at Z = 0 is the regression coefficient of the perp coordinates on the parallel ones
+    _, U = L.schur_complement(P.Gstar, Sxx)
+    K0 = L.kfac_coupling(Sxx, P.Gstar, torch.zeros_like(Z))
+    reg = (U @ Sxx @ P.Gstar.mT) @ torch.linalg.inv(P.Gstar @ Sxx @ P.Gstar.mT)
+    assert torch.allclose(U @ K0, reg, atol=1e-10)
+
+
+def test_one_step_bound_holds_and_is_inf_outside_locality():
+    P = _problem(noise=0.2)
+    Z = 0.1 * torch.randn(P.Gstar.shape, generator=_gen(4), dtype=torch.float64) @ L.perp_projector(P.Gstar)
+    Sxx, Syx = P.sample_moments(60, _gen(5))
+    D, K = L.kfac_forcing(Z, P.Gstar, Sxx, Syx), L.kfac_coupling(Sxx, P.Gstar, Z)
+    tan1 = torch.linalg.matrix_norm(L.kfac_tangent_step(Z, D, K, 0.5), ord=2)
+    bound, ell = L.kfac_one_step_bound(torch.linalg.matrix_norm(Z, ord=2), torch.linalg.matrix_norm(D, ord=2),
+                                       torch.linalg.matrix_norm(K, ord=2), 0.5)
+    assert bool((ell < 1).all()) and bool((tan1 <= bound + 1e-12).all())
+    b, e = L.kfac_one_step_bound(torch.tensor([0.5, 2.0]), 0.0, torch.tensor([1.0, 1.0]), 0.5)
+    assert math.isfinite(float(b[0])) and math.isinf(float(b[1])) and torch.allclose(e, torch.tensor([0.5, 2.0]))
+
+
+def test_noiseless_rank_one_ratio_and_spread_monte_carlo():
+    one = L.linrep_problem(1, d=8, k=2, d_y=3, kappa_x=50.0, kappa_F=2.0, seed=11)
+    Gs, Sig = one.Gstar[0], one.Sigma[0]
+    p, q, r = L.canonical_direction(Sig, Gs)
+    assert 0 < float(r) <= 49 / 51 + 1e-12 and abs(float(q @ Gs.mT @ torch.ones(2))) < 1e-12
+    qKp = float(q @ L.kfac_coupling(Sig, Gs, torch.zeros_like(Gs)) @ p)
+    assert qKp > 0
+    s, eta, n, R = -0.05 / qKp, 0.5, 60, 3000
+    Z = s * torch.outer(p, q)
+    rep = L.replicas(one, R)
+    Sxx, Syx = rep.sample_moments(n, _gen(6))
+    G1 = L.kfac_update(rep, L.LinRepState(None, (Gs + Z).expand(R, 2, 8)), {"Sxx": Sxx, "Syx": Syx},
+                       dict(eta_G=eta)).G
+    ratio = torch.linalg.matrix_norm(L.tangent(G1, Gs), ord=2) / abs(s)
+    chi = s * (q @ L.kfac_coupling(Sxx, Gs, Z) @ p)
+    assert torch.allclose(ratio, (1 - eta) / (1 + eta * chi).abs(), atol=1e-10)
+    pred = L.kfac_ratio_spread(Sig, Gs, p, q, s, eta, n)
+    assert abs(float(ratio.std()) / float(pred) - 1) < 0.1          # Monte Carlo, 3000 batches: SE about 1.3 %
+
+
+def test_noise_bound_and_floor_agree_in_mean():
+    one = L.linrep_problem(1, d=6, k=2, d_y=3, kappa_x=10.0, kappa_F=2.0, seed=12)
+    R, n, sig = 2000, 200, 0.1
+    rep = L.replicas(one, R, noise=sig)
+    assert rep.noise == sig and rep.n_seeds == R and torch.equal(rep.Sigma[5], one.Sigma[0])
+    Sxx, Syx = rep.sample_moments(n, _gen(7))
+    D = L.kfac_forcing(torch.zeros_like(rep.Gstar), rep.Gstar, Sxx, Syx)
+    v = L.floor_variance_refit_head(one.Fstar[0], one.Gstar[0], one.Sigma[0], sig, n)
+    assert abs(float(D.square().sum((-2, -1)).mean() / v) - 1) < 0.1
+    nu = L.kfac_noise_bound(one.Fstar[0], one.Sigma[0], n, sig, 0.05)
+    assert float((torch.linalg.matrix_norm(D, ord=2) > nu).double().mean()) <= 0.05
+
+
+def test_fitted_exponent_on_a_power_law():
+    x = torch.tensor([10.0, 20.0, 40.0, 80.0, 160.0])
+    noise = 1 + 0.01 * torch.randn(500, 5, generator=_gen(8), dtype=torch.float64)
+    a, se, drift = L.fitted_exponent(x, 3 * x**-0.5 * noise)
+    assert abs(a + 0.5) < 5 * se + 1e-3 and se < 0.01 and drift < 0.02
+
+
+def test_finite_sample_bad_input():
+    P = _problem()
+    Gs, Sig = P.Gstar[0], P.Sigma[0]
+    with pytest.raises(ValueError, match="Z"):
+        L.kfac_coupling(Sig, Gs, Gs.clone())                        # rows not in the complement
+    with pytest.raises(ValueError, match="Sxx"):
+        L.kfac_coupling(torch.eye(3), Gs, torch.zeros_like(Gs))
+    with pytest.raises(ValueError, match="eta"):
+        L.kfac_tangent_step(torch.zeros_like(Gs), torch.zeros_like(Gs), torch.zeros(7, 2), 1.5)
+    with pytest.raises(ValueError, match="Z and P"):
+        L.kfac_tangent_step(torch.zeros_like(Gs), torch.zeros_like(Gs), torch.zeros(2, 7), 0.5)
+    with pytest.raises(ValueError, match="n must satisfy"):
+        L.kfac_noise_bound(P.Fstar[0], Sig, 10, 0.1, 0.1)
+    with pytest.raises(ValueError, match="delta"):
+        L.kfac_noise_bound(P.Fstar[0], Sig, 1000, 0.1, 1.5)
+    with pytest.raises(ValueError, match="forcing"):
+        L.kfac_one_step_bound(0.1, -1.0, 1.0, 0.5)
+    with pytest.raises(ValueError, match="one instance"):
+        L.replicas(P, 4)
+    with pytest.raises(TypeError, match="problem"):
+        L.replicas("P", 4)
+    with pytest.raises(ValueError, match="samples"):
+        L.fitted_exponent(torch.ones(4), torch.ones(3, 5))
+    with pytest.raises(ValueError, match="n must be whole"):
+        L.kfac_ratio_spread(Sig, Gs, torch.ones(2) / 2**0.5, torch.zeros(7), 0.1, 0.5, 3)
+    with pytest.raises(ValueError, match="k < d"):
+        L.canonical_direction(torch.eye(2), torch.eye(2))

@@ -1185,3 +1185,288 @@ def tangent_norm2(G, Gstar) -> torch.Tensor:
 
 
 __all__ += ["floor_variance_fixed_head", "floor_variance_refit_head", "tangent_norm2"]
+
+
+# ============================================================================================ finite-sample K-FAC (chapter 10)
+def _check_rows_perp(name: str, Z: torch.Tensor, Gstar: torch.Tensor) -> None:
+    leak = (Z @ Gstar.transpose(-2, -1)).abs().amax()
+    if float(leak) > 1e3 * torch.finfo(Z.dtype).eps * max(1.0, float(Z.abs().amax())) * Z.shape[-1]:
+        raise ValueError(f"{name} must have its rows in rowsp(Gstar)^perp ({name} Gstar^T = 0), got "
+                         f"max |{name} Gstar^T| = {float(leak):.3g}")
+
+
+def _tangent_inputs(Z, Gstar, Sxx=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    Gstar = check_finite("Gstar", as_tensor("Gstar", Gstar, dtype=torch.float64))
+    Z = check_finite("Z", as_tensor("Z", Z, dtype=torch.float64))
+    if Gstar.dim() < 2 or Z.shape[-2:] != Gstar.shape[-2:]:
+        raise ValueError(f"Z must have Gstar's shape {tuple(Gstar.shape[-2:])} (k x d), got {tuple(Z.shape)}")
+    _check_rows_perp("Z", Z, Gstar)
+    if Sxx is not None:
+        Sxx = check_finite("Sxx", as_tensor("Sxx", Sxx, dtype=torch.float64))
+        d = Gstar.shape[-1]
+        if Sxx.dim() < 2 or Sxx.shape[-2:] != (d, d):
+            raise ValueError(f"Sxx must be {d} x {d} (d = Gstar's columns), got {tuple(Sxx.shape)}")
+    return Z, Gstar, Sxx
+
+
+def tangent(G, Gstar) -> torch.Tensor:
+    r"""The tangent :math:`Z = (GG_\star^\top)^{-1}G\Pi_\perp` ``(..., k, d)`` of :math:`G = A(G_\star + Z)`, with
+    :math:`A = GG_\star^\top`: its rows lie in :math:`\operatorname{rowsp}(G_\star)^\perp`, its singular values are the
+    tangents of the principal angles, so :math:`\lVert Z\rVert_2 = \tan\psi_{\max}\ge\operatorname{dist}(G, G_\star)`
+    (chapter 10, *A finite-sample guarantee*; :func:`tangent_norm2` is :math:`\lVert Z\rVert_F^2`). ``Gstar`` has
+    orthonormal rows. Raises a ValueError when :math:`GG_\star^\top` is singular (an angle of 90 degrees)."""
+    tangent_norm2(G, Gstar)                                    # validates, and refuses a singular G Gstar^T
+    G = as_tensor("G", G, dtype=torch.float64)
+    Gstar = as_tensor("Gstar", Gstar, dtype=torch.float64)
+    A = G @ Gstar.transpose(-2, -1)
+    return torch.linalg.solve(A, G - A @ Gstar)
+
+
+def kfac_coupling(Sxx, Gstar, Z) -> torch.Tensor:
+    r"""The batch coupling :math:`\hat B = \Pi_\perp\hat\Sigma W^\top(G_\star\hat\Sigma W^\top)^{-1}` ``(..., d, k)``
+    at the normalised representation :math:`W = G_\star + Z` (chapter 10, *A finite-sample guarantee*).
+
+    At :math:`Z = 0` it is :math:`\Pi_\perp\hat\Sigma G_\star^\top(G_\star\hat\Sigma G_\star^\top)^{-1}`, the
+    least-squares coefficient of the :math:`\perp` coordinates of :math:`x` on its :math:`\parallel` coordinates in
+    the batch; it vanishes in the population exactly when :math:`\operatorname{rowsp}(G_\star)` is an invariant
+    subspace of :math:`\Sigma`. ``Z`` ``(..., k, d)`` must have its rows in :math:`\operatorname{rowsp}(G_\star)^\perp`
+    (:func:`tangent`)."""
+    Z, Gstar, Sxx = _tangent_inputs(Z, Gstar, Sxx)
+    W = Gstar + Z
+    SW = Sxx @ W.transpose(-2, -1)                              # (..., d, k)
+    M = Gstar @ SW
+    if bool((torch.linalg.svdvals(M)[..., -1] <= torch.finfo(M.dtype).eps * M.abs().amax()).any()):
+        raise ValueError("Gstar Sxx (Gstar + Z)^T must be invertible: Sxx is singular on rowsp(Gstar) or Z is "
+                         "too far from 0 (the coupling is undefined there)")
+    return torch.linalg.solve(M, SW - Gstar.transpose(-2, -1) @ M, left=False)   # X M = Pi_perp Sxx W^T
+
+
+def kfac_forcing(Z, Gstar, Sxx, Syx) -> torch.Tensor:
+    r"""The noise term :math:`P = H^+\hat W\Pi_\perp` ``(..., k, d)`` of one K-FAC step with the head re-fitted on
+    the same batch (chapter 10, *A finite-sample guarantee*): :math:`\hat W = \hat\Sigma_{yx}\hat\Sigma^{-1}` is the
+    batch's least-squares map :math:`F_\star G_\star + \Xi` and :math:`H` the least-squares head of the normalised
+    representation :math:`W = G_\star + Z` on the batch. Zero without label noise; to first order in
+    :math:`\sigma_\varepsilon` it is :math:`(I + Z\hat B)F_\star^+\Xi\Pi_\perp`."""
+    Z, Gstar, Sxx = _tangent_inputs(Z, Gstar, Sxx)
+    Syx = check_finite("Syx", as_tensor("Syx", Syx, dtype=torch.float64))
+    if Syx.dim() < 2 or Syx.shape[-1] != Gstar.shape[-1]:
+        raise ValueError(f"Syx must be (..., d_y, {Gstar.shape[-1]}), got {tuple(Syx.shape)}")
+    W = Gstar + Z
+    H = _head_from_moments(W, Sxx, Syx)
+    W_hat = _right_solve(Syx, Sxx)
+    P = torch.linalg.solve(H.transpose(-2, -1) @ H, H.transpose(-2, -1) @ W_hat)
+    return P - (P @ Gstar.transpose(-2, -1)) @ Gstar
+
+
+def kfac_tangent_step(Z, P, B, eta) -> torch.Tensor:
+    r"""The exact tangent map of one K-FAC step (re-fitted head, :math:`\lambda_F=\lambda_G=0`; chapter 10):
+
+    .. math:: Z_{+} = \big[I_k + \eta_G(Z - P)\hat B\big]^{-1}\big[(1-\eta_G)Z + \eta_G P\big],
+
+    with ``Z (..., k, d)`` the tangent (:func:`tangent`), ``P (..., k, d)`` the noise term (:func:`kfac_forcing`)
+    and ``B (..., d, k)`` the coupling (:func:`kfac_coupling`). ``eta`` a number in (0, 1] or a per-row tensor."""
+    Z = check_finite("Z", as_tensor("Z", Z, dtype=torch.float64))
+    P = check_finite("P", as_tensor("P", P, dtype=torch.float64))
+    B = check_finite("B", as_tensor("B", B, dtype=torch.float64))
+    if Z.dim() < 2 or P.shape[-2:] != Z.shape[-2:] or B.shape[-2:] != Z.shape[-2:][::-1]:
+        raise ValueError(f"Z and P must be (..., k, d) and B (..., d, k); got {tuple(Z.shape)}, {tuple(P.shape)}, "
+                         f"{tuple(B.shape)}")
+    eta = as_tensor("eta", eta, dtype=torch.float64)
+    if bool(((eta <= 0) | (eta > 1)).any()):
+        raise ValueError("eta must be in (0, 1]")
+    eta = eta.reshape(*eta.shape, 1, 1) if eta.dim() else eta
+    k = Z.shape[-2]
+    return torch.linalg.solve(_eye(k, Z) + eta * ((Z - P) @ B), (1 - eta) * Z + eta * P)
+
+
+def kfac_one_step_bound(tau, forcing, coupling, eta) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The one-step guarantee of chapter 10's finite-sample theorem: with :math:`\tau = \tan\psi_{\max}(G_t)`,
+    :math:`p = \lVert P_t\rVert_2` (``forcing``) and :math:`b = \lVert\hat B_t\rVert_2` (``coupling``), the locality
+    :math:`\beta = (\tau + p)\,b`, and where :math:`\beta<1`
+
+    .. math:: \tau_{t+1}\le\big(1-(1-\beta)\eta_G\big)\tau + \frac{\eta_G\,p}{1-\beta}.
+
+    Returns ``(bound, beta)``, broadcast; the bound is ``inf`` where :math:`\beta\ge1` (no guarantee)."""
+    tau, p, b = (as_tensor(nm, v, dtype=torch.float64) for nm, v in
+                 (("tau", tau), ("forcing", forcing), ("coupling", coupling)))
+    for nm, v in (("tau", tau), ("forcing", p), ("coupling", b)):
+        check_finite(nm, v)
+        if bool((v < 0).any()):
+            raise ValueError(f"{nm} must be >= 0 (a norm)")
+    eta = as_tensor("eta", eta, dtype=torch.float64)
+    if bool(((eta <= 0) | (eta > 1)).any()):
+        raise ValueError("eta must be in (0, 1]")
+    beta = (tau + p) * b
+    ok = beta < 1
+    safe = torch.where(ok, beta, torch.zeros_like(beta))
+    bound = (1 - (1 - safe) * eta) * tau + eta * p / (1 - safe)
+    return torch.where(ok, bound, torch.full_like(bound, math.inf)), beta
+
+
+def kfac_noise_bound(Fstar, Sigma, n: int, noise: float, delta: float) -> torch.Tensor:
+    r"""The explicit high-probability size of K-FAC's first-order noise term (chapter 10): for Gaussian inputs,
+    with probability at least :math:`1-\delta`,
+
+    .. math:: \lVert F_\star^+\Xi\Pi_\perp\rVert_2\le N_\delta := \frac{\sigma_\varepsilon\big(\sqrt{d-k}+\sqrt k+
+              \sqrt{2\log(2/\delta)}\big)}{\sigma_{\min}(F_\star)\sqrt{\lambda_{\min}(\Sigma)}\,
+              \big(\sqrt n-\sqrt d-\sqrt{2\log(2/\delta)}\big)}
+
+    (Chevet's inequality and Gaussian concentration given :math:`X`, Davidson–Szarek for :math:`\lambda_{\min}
+    (X^\top X)`). ``Fstar (..., d_y, k)``, ``Sigma (..., d, d)``. Refuses ``n`` with :math:`\sqrt n\le\sqrt d+
+    \sqrt{2\log(2/\delta)}` (the bound is vacuous there)."""
+    Fstar = check_finite("Fstar", as_tensor("Fstar", Fstar, dtype=torch.float64))
+    Sigma = check_finite("Sigma", as_tensor("Sigma", Sigma, dtype=torch.float64))
+    if Fstar.dim() < 2 or Sigma.dim() < 2 or Sigma.shape[-1] != Sigma.shape[-2]:
+        raise ValueError(f"Fstar must be (..., d_y, k) and Sigma (..., d, d), got {tuple(Fstar.shape)}, "
+                         f"{tuple(Sigma.shape)}")
+    k, d = Fstar.shape[-1], Sigma.shape[-1]
+    if k > d:
+        raise ValueError(f"Fstar's k = {k} columns must not exceed Sigma's d = {d}")
+    n = check_int("n", n, min_value=1)
+    noise = check_nonnegative("noise", noise)
+    delta = check_positive("delta", delta)
+    if delta >= 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    t = math.sqrt(2 * math.log(2 / delta))
+    if math.sqrt(n) <= math.sqrt(d) + t:
+        raise ValueError(f"n must satisfy sqrt(n) > sqrt(d) + sqrt(2 log(2/delta)) = {math.sqrt(d) + t:.3g} "
+                         f"(d = {d}, delta = {delta}), got n = {n}: the bound is vacuous")
+    s_min = torch.linalg.svdvals(Fstar)[..., -1]
+    l_min = torch.linalg.eigvalsh(Sigma)[..., 0]
+    return noise * (math.sqrt(d - k) + math.sqrt(k) + t) / (s_min * l_min.sqrt() * (math.sqrt(n) - math.sqrt(d) - t))
+
+
+def fitted_exponent(x, samples) -> tuple[float, float, float]:
+    r"""Log-log exponent of a power law :math:`\mathbb{E}[y]\propto x^a` from replicates (chapter 10).
+
+    ``x (m,)`` positive, ``samples (R, m)`` positive replicate values at each ``x``. Weighted least squares of
+    :math:`\log\bar y` on :math:`\log x` with weights from the delta-method standard errors
+    :math:`\mathrm{se}(\bar y)/\bar y`. Returns ``(a, se, drift)``: the exponent, its standard error, and
+    :math:`|a_{\text{lower half}} - a_{\text{upper half}}|` over the two halves of the ``x`` range (overlapping in
+    the middle point when ``m`` is odd), which measures curvature — how far the data are from one power law."""
+    x = as_tensor("x", x, dtype=torch.float64).reshape(-1)
+    Y = as_tensor("samples", samples, dtype=torch.float64)
+    if Y.dim() != 2 or Y.shape[1] != x.numel() or Y.shape[0] < 2:
+        raise ValueError(f"samples must be (R >= 2, m = {x.numel()}), got {tuple(Y.shape)}")
+    if x.numel() < 4:
+        raise ValueError(f"x must have at least 4 points (two halves of 2), got {x.numel()}")
+    check_finite("x", x)
+    check_finite("samples", Y)
+    if bool((x <= 0).any()) or bool((Y.mean(0) <= 0).any()):
+        raise ValueError("x and the mean of samples must be > 0 for a log-log fit")
+    lx, ly = x.log(), Y.mean(0).log()
+    w = (Y.mean(0) / (Y.std(0, unbiased=True) / math.sqrt(Y.shape[0])).clamp_min(1e-300)).square()
+
+    def fit(idx):
+        xm = (w[idx] * lx[idx]).sum() / w[idx].sum()
+        sxx = (w[idx] * (lx[idx] - xm).square()).sum()
+        slope = (w[idx] * (lx[idx] - xm) * ly[idx]).sum() / sxx
+        return float(slope), float(sxx.rsqrt())
+
+    m = x.numel()
+    a, se = fit(torch.arange(m))
+    lo, _ = fit(torch.arange(0, (m + 1) // 2))
+    hi, _ = fit(torch.arange(m // 2, m))
+    return a, se, abs(lo - hi)
+
+
+__all__ += ["tangent", "kfac_coupling", "kfac_forcing", "kfac_tangent_step", "kfac_one_step_bound",
+            "kfac_noise_bound", "fitted_exponent"]
+
+
+def replicas(problem: LinRepProblem, n_replicas: int, *, noise: float | None = None) -> LinRepProblem:
+    r"""``n_replicas`` copies of a one-instance problem (``S = 1``) as one problem with ``S = n_replicas``, so that
+    :meth:`LinRepProblem.sample_moments` draws that many independent batches of the *same* instance in one tensor
+    call (chapter 10's batch-to-batch statistics). ``noise`` replaces :math:`\sigma_\varepsilon` (training and
+    transfer) when given."""
+    if not isinstance(problem, LinRepProblem):
+        raise TypeError(f"problem must be a LinRepProblem, got {type(problem).__name__}")
+    if problem.n_seeds != 1:
+        raise ValueError(f"problem must hold one instance (S = 1; use problem.select(s)), got S = {problem.n_seeds}")
+    R = check_int("n_replicas", n_replicas, min_value=1)
+    sig = problem.noise if noise is None else check_nonnegative("noise", noise)
+    sig_T = problem.noise_T if noise is None else sig
+    ex = lambda t: t.expand(R, *t.shape[1:]).contiguous()  # noqa: E731
+    return replace(problem, Fstar=ex(problem.Fstar), Gstar=ex(problem.Gstar), Sigma=ex(problem.Sigma),
+                   Sigma_half=ex(problem.Sigma_half), Fstar_T=ex(problem.Fstar_T), Sigma_T=ex(problem.Sigma_T),
+                   Sigma_T_half=ex(problem.Sigma_T_half), noise=float(sig), noise_T=float(sig_T))
+
+
+__all__ += ["replicas"]
+
+
+def kfac_ratio_spread(Sigma, Gstar, u, v, s, eta, n: int) -> torch.Tensor:
+    r"""Predicted batch-to-batch standard deviation of noiseless K-FAC's one-step ratio
+    :math:`\tau_{t+1}/\tau_t = (1-\eta_G)/\lvert1+\eta_G s\,v^\top\hat Bu\rvert` at a rank-one tangent
+    :math:`Z = s\,uv^\top` (chapter 10), for Gaussian inputs, to first order in :math:`s` and in the batch fluctuation:
+
+    .. math:: \operatorname{sd} = \frac{(1-\eta_G)\,\eta_G\lvert s\rvert}{(1+\eta_G s\,b)^2}
+              \sqrt{\frac{(v^\top S v)\,(u^\top\Sigma_{\parallel\parallel}^{-1}u)}{n-k-1}},
+
+    with :math:`b = v^\top Bu` the population coupling at :math:`Z = 0`, :math:`S = (\Pi_\perp\Sigma^{-1}
+    \Pi_\perp)^+` the Schur complement (as a :math:`d\times d` matrix on :math:`\operatorname{rowsp}(G_\star)^\perp`)
+    and :math:`\Sigma_{\parallel\parallel} = G_\star\Sigma G_\star^\top`: the batch regression coefficient
+    :math:`v^\top\hat B u` of the :math:`\perp` coordinates on the :math:`\parallel` ones has conditional variance
+    :math:`(v^\top Sv)\,u^\top(X_\parallel^\top X_\parallel)^{-1}u`, whose mean is the above (inverse Wishart).
+    ``u (..., k)`` and ``v (..., d)`` unit vectors, ``v`` in :math:`\operatorname{rowsp}(G_\star)^\perp`.; ``n`` an integer or
+    a tensor of them (broadcast)."""
+    Sigma = check_finite("Sigma", as_tensor("Sigma", Sigma, dtype=torch.float64))
+    Gstar = check_finite("Gstar", as_tensor("Gstar", Gstar, dtype=torch.float64))
+    u = check_finite("u", as_tensor("u", u, dtype=torch.float64))
+    v = check_finite("v", as_tensor("v", v, dtype=torch.float64))
+    k, d = Gstar.shape[-2:]
+    if Sigma.shape[-2:] != (d, d) or u.shape[-1] != k or v.shape[-1] != d:
+        raise ValueError(f"Sigma must be ({d}, {d}), u (..., {k}) and v (..., {d}); got {tuple(Sigma.shape)}, "
+                         f"{tuple(u.shape)}, {tuple(v.shape)}")
+    n = as_tensor("n", n, dtype=torch.float64)
+    if bool((n < k + 2).any()) or bool((n != n.round()).any()):
+        raise ValueError(f"n must be whole numbers >= k + 2 = {k + 2} (the inverse-Wishart mean), got {n.tolist()}")
+    eta = check_positive("eta", eta)
+    if eta > 1:
+        raise ValueError(f"eta must be in (0, 1], got {eta}")
+    s = as_tensor("s", s, dtype=torch.float64)
+    Pi = _eye(d, Gstar) - Gstar.transpose(-2, -1) @ Gstar
+    _check_rows_perp("v", v[..., None, :], Gstar)
+    S = torch.linalg.pinv(Pi @ torch.linalg.inv(Sigma) @ Pi, hermitian=True)
+    S_par = Gstar @ Sigma @ Gstar.transpose(-2, -1)
+    B = kfac_coupling(Sigma, Gstar, torch.zeros_like(Gstar))
+    b = (v[..., None, :] @ B @ u[..., :, None])[..., 0, 0]
+    vSv = (v[..., None, :] @ S @ v[..., :, None])[..., 0, 0]
+    uSu = (u[..., None, :] @ torch.linalg.solve(S_par, u[..., :, None]))[..., 0, 0]
+    return (1 - eta) * eta * s.abs() / (1 + eta * s * b).square() * (vSv * uSu / (n - k - 1)).sqrt()
+
+
+__all__ += ["kfac_ratio_spread"]
+
+
+def canonical_direction(Sigma, Gstar) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The rank-one tangent direction :math:`uv^\top` along which noiseless K-FAC contracts slowest per step
+    (chapter 10): the top canonical pair between the :math:`\parallel` coordinates :math:`G_\star x` and the
+    :math:`\perp` coordinates of :math:`x`. Returns ``(u (..., k), v (..., d), rho (...))``, unit vectors with
+    ``v`` in :math:`\operatorname{rowsp}(G_\star)^\perp`, :math:`u\propto\Sigma_{\parallel\parallel}w` for the
+    canonical weight :math:`w`, and the top canonical correlation :math:`\rho\le(\kappa(\Sigma)-1)/(\kappa(\Sigma)+1)`
+    (Wielandt), so that :math:`v^\top Bu>0` for the population coupling :math:`B` (:func:`kfac_coupling` at
+    :math:`Z = 0`)."""
+    Sigma = check_finite("Sigma", as_tensor("Sigma", Sigma, dtype=torch.float64))
+    Gstar = check_finite("Gstar", as_tensor("Gstar", Gstar, dtype=torch.float64))
+    k, d = Gstar.shape[-2:]
+    if Sigma.shape[-2:] != (d, d):
+        raise ValueError(f"Sigma must be ({d}, {d}) for Gstar of shape {tuple(Gstar.shape)}, got {tuple(Sigma.shape)}")
+    if k == d:
+        raise ValueError("Gstar must have k < d rows (rowsp(Gstar)^perp is empty otherwise)")
+    _, U = schur_complement(Gstar, Sigma)                            # (..., d - k, d), orthonormal rows
+    def inv_sqrt(A):
+        e, V = torch.linalg.eigh(A)
+        return (V / e.sqrt().unsqueeze(-2)) @ V.transpose(-2, -1)
+    S_pp, S_pa = U @ Sigma @ U.transpose(-2, -1), U @ Sigma @ Gstar.transpose(-2, -1)
+    M = Gstar @ Sigma @ Gstar.transpose(-2, -1)
+    Ip, Im = inv_sqrt(S_pp), inv_sqrt(M)
+    P, rho, Qh = torch.linalg.svd(Ip @ S_pa @ Im)
+    v = (U.transpose(-2, -1) @ (Ip @ P[..., :, :1]))[..., 0]
+    u = (M @ Im @ Qh[..., :1, :].transpose(-2, -1))[..., 0]
+    v, u = v / v.norm(dim=-1, keepdim=True), u / u.norm(dim=-1, keepdim=True)
+    sign = torch.sign((v[..., None, :] @ kfac_coupling(Sigma, Gstar, torch.zeros_like(Gstar)) @ u[..., :, None])[..., 0, 0])
+    return u * sign[..., None], v, rho[..., 0]
+
+
+__all__ += ["canonical_direction"]
