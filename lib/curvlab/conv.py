@@ -243,13 +243,20 @@ def _factors(K, V, Sigma_hat, image: int, padding: int) -> tuple[torch.Tensor, t
     return T, C, d_y
 
 
+def _assemble(W: torch.Tensor, C: torch.Tensor, d_y: int) -> torch.Tensor:
+    r""":math:`I_{d_y}\otimes W^\top W + CC^\top`, the Kronecker sum written into the diagonal blocks."""
+    d = W.shape[-1]
+    H = C @ C.transpose(-2, -1)
+    blocks = H.view(*H.shape[:-2], d_y, d, d_y, d).diagonal(dim1=-4, dim2=-2)     # (..., d, d, d_y), a view
+    blocks += (W.transpose(-2, -1) @ W).unsqueeze(-1)
+    return H
+
+
 def gn_reduced(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> torch.Tensor:
     r""":math:`H^{\mathrm{red}}_{\mathrm{GN}} = I_{d_y}\otimes W^\top W + C_\Sigma C_\Sigma^\top`,
     :math:`W = T(K)\hat\Sigma^{1/2}`, :math:`C_\Sigma=(I\otimes\hat\Sigma^{1/2})C(V)` (``d_y N^2`` square; whitened
     inputs when ``Sigma_hat`` is None). Same nonzero eigenvalues as :func:`gn_dense` (chapter 31)."""
-    W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
-    eye = torch.eye(d_y, dtype=W.dtype)
-    return linalg.kron(eye.expand(*W.shape[:-2], d_y, d_y), W.transpose(-2, -1) @ W) + C @ C.transpose(-2, -1)
+    return _assemble(*_factors(K, V, Sigma_hat, image, padding))
 
 
 def gn_reduced_dense_foil(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> torch.Tensor:
@@ -275,26 +282,33 @@ def _rank_sigma(Sigma_hat, d: int) -> int:
     return int((lam > default_rtol(d) * lam[-1]).sum())
 
 
+def _terms(W: torch.Tensor, C: torch.Tensor, d_y: int, r: int) -> dict[str, torch.Tensor]:
+    sW = torch.linalg.svdvals(W)
+    G = C.transpose(-2, -1) @ C if C.shape[-1] <= C.shape[-2] else C @ C.transpose(-2, -1)
+    sC = torch.linalg.eigvalsh(G).flip(-1).clamp_min(0).sqrt()          # singular values of C (its smaller Gram)
+    pick = lambda s, k: s[..., k - 1] if s.shape[-1] >= k else torch.zeros_like(s[..., 0])  # noqa: E731
+    return {"W_max": sW[..., 0], "W_min": pick(sW, r), "C_max": sC[..., 0], "C_min": pick(sC, d_y * r)}
+
+
+def _ratio(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    num = t["W_max"].square() + t["C_max"].square()
+    den = t["W_min"].square() + t["C_min"].square()
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(num.dtype).tiny), torch.full_like(num, math.inf))
+
+
 def bound_terms(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> dict[str, torch.Tensor]:
     r"""The four singular values of the bound: :math:`\sigma_1(W)`, :math:`\sigma_r(W)`, :math:`\sigma_1(C_\Sigma)`,
     :math:`\sigma_{d_yr}(C_\Sigma)` (zero where the matrix has fewer columns than that), :math:`r`
     the numerical rank of :math:`\hat\Sigma` (:math:`N^2` when it is None). Batched."""
     W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
-    r = _rank_sigma(Sigma_hat, image * image)
-    sW, sC = torch.linalg.svdvals(W), torch.linalg.svdvals(C)
-    pick = lambda s, k: s[..., k - 1] if s.shape[-1] >= k else torch.zeros_like(s[..., 0])  # noqa: E731
-    return {"W_max": sW[..., 0], "W_min": pick(sW, r), "C_max": sC[..., 0], "C_min": pick(sC, d_y * r),
-            "rank_sigma": torch.tensor(r)}
+    return _terms(W, C, d_y, _rank_sigma(Sigma_hat, image * image))
 
 
 def kappa_bound(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> torch.Tensor:
     r"""Lemma 1's shape for the convolutional network:
     :math:`(\sigma_1^2(W)+\sigma_1^2(C_\Sigma))/(\sigma_r^2(W)+\sigma_{d_yr}^2(C_\Sigma))` (inf when the denominator
     vanishes). Batched (chapter 31)."""
-    t = bound_terms(K, V, Sigma_hat, image, padding)
-    num = t["W_max"].square() + t["C_max"].square()
-    den = t["W_min"].square() + t["C_min"].square()
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(num.dtype).tiny), torch.full_like(num, math.inf))
+    return _ratio(bound_terms(K, V, Sigma_hat, image, padding))
 
 
 def gn_condition(K, V, Sigma_hat=None, image: int = 8, padding: int = 0, *, rank: int | None = None) -> Condition:
@@ -330,14 +344,16 @@ def whiten_images(X, image: int = 8, *, rtol: float | None = None) -> tuple[torc
 
 
 def conditioning_frame(K, V, Sigma_hat=None, image: int = 8, padding: int = 0, **labels) -> pd.DataFrame:
-    """One row per network of the batch: ``kappa``, ``bound``, ``bound/kappa``, ``rank``, ``gap`` and the
-    ``labels`` given (e.g. ``c=4, s=3``)."""
-    cond = gn_condition(K, V, Sigma_hat, image, padding)
-    b = kappa_bound(K, V, Sigma_hat, image, padding)
+    r"""One row per network of the batch: ``kappa``, ``bound``, ``bound/kappa``, ``rank`` (the cut, :math:`d_yr`),
+    ``gap`` (:math:`\lambda_r/\lambda_{r+1}` there) and the ``labels`` given (e.g. ``c=4, s=3``). The factors are
+    formed once for both."""
+    W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
+    r = _rank_sigma(Sigma_hat, image * image)
+    cond = condition(torch.linalg.eigvalsh(_assemble(W, C, d_y)), rank=d_y * r)
+    b = _ratio(_terms(W, C, d_y, r)).reshape(-1)
     kap = cond.kappa.reshape(-1)
-    rows = {"kappa": kap.numpy(), "bound": b.reshape(-1).numpy(), "bound/kappa": (b.reshape(-1) / kap).numpy(),
-            "gap": cond.gap.reshape(-1).numpy(), "rank": cond.rank}
-    frame = pd.DataFrame(rows)
+    frame = pd.DataFrame({"kappa": kap.numpy(), "bound": b.numpy(), "bound/kappa": (b / kap).numpy(),
+                          "gap": cond.gap.reshape(-1).numpy(), "rank": cond.rank})
     for k, v in labels.items():
         frame[k] = v
     return frame
