@@ -481,3 +481,136 @@ def test_mnist_table_is_the_review_table():
     gn = t[t.method == "GN"].set_index("lr")
     assert gn.loc[1e-3, "test_lrfit"] == 52.4 and gn.loc[1e3, "test_loss"] == 60.9
     assert t[(t.method == "GD") & (t.lr >= 100)].train_loss.isna().all()  # "div"
+
+
+# ----------------------------------------------------------------------------------------------- Proposition 1
+def test_flow_rate_and_radius_formulas_and_limits():
+    lam = torch.tensor([0.5, 2.0], dtype=F64)
+    torch.testing.assert_close(mf.flow_rate(lam, 0.0), torch.full((2,), 2.0, dtype=F64))
+    torch.testing.assert_close(mf.flow_rate(lam, lam), torch.ones(2, dtype=F64))
+    big = mf.flow_rate(1.0, 1e8)
+    assert float(big) == pytest.approx(2e-8, rel=1e-6)  # ~ 2 lambda_star / eps
+    # R = |r0| sup_{s >= lam} sqrt(s)/(s+eps) / nu(lam): a brute-force sup on a grid
+    for lam_s, eps in ((1.0, 0.3), (1.0, 1.0), (1.0, 4.0), (0.2, 7.0)):
+        s = np.geomspace(lam_s, lam_s * 1e6, 200_001)
+        rho = np.max(np.sqrt(s) / (s + eps))
+        want = 3.0 * rho / (lam_s / (lam_s + eps))
+        assert float(mf.flow_radius(3.0, lam_s, eps)) == pytest.approx(want, rel=1e-6)
+    # continuous at eps = lambda_star, and never below |r0|/sqrt(lambda_star)
+    assert float(mf.flow_radius(1.0, 2.0, 2.0 * (1 + 1e-9))) == pytest.approx(1 / math.sqrt(2.0), rel=1e-8)
+    for bad in (dict(lam_star=0.0, eps=1.0), dict(lam_star=1.0, eps=-1.0)):
+        with pytest.raises(ValueError, match="lam_star|eps"):
+            mf.flow_rate(**bad)
+    with pytest.raises(ValueError, match="r0_norm"):
+        mf.flow_radius(-1.0, 1.0, 1.0)
+
+
+def test_slowest_mode_targets_put_the_residual_in_the_slowest_mode():
+    p, X, _ = problem(n=6, d=3, m=9, S=2, seed=3)
+    Y = mf.slowest_mode_targets(p, X, "silu", amplitude=0.7)
+    r0 = mf.forward(p, X, "silu") - Y
+    lam, U = torch.linalg.eigh(mf.ntk(p, X, "silu"))
+    torch.testing.assert_close(r0.norm(dim=-1), 0.7 * lam[:, 0].sqrt())
+    K = mf.ntk(p, X, "silu")
+    torch.testing.assert_close((K @ r0.unsqueeze(-1)).squeeze(-1), lam[:, :1] * r0)
+    with pytest.raises(ValueError, match="amplitude"):
+        mf.slowest_mode_targets(p, X, "silu", amplitude=0.0)
+    pv, Xv, _ = problem(n=4, d=3, m=5, d_y=2, S=1)
+    with pytest.raises(ValueError, match="scalar output"):
+        mf.slowest_mode_targets(pv, Xv, "silu", amplitude=1.0)
+
+
+def test_gn_flow_matches_scipy_on_the_dense_torch_func_field():
+    from scipy.integrate import solve_ivp
+
+    p, X, Y = problem(n=4, d=2, m=3, S=2, seed=5)
+    eps, t_end = torch.tensor([0.1, 0.5], dtype=F64), 1.0
+    fl, fl_half = (mf.gn_flow(p, X, Y, "silu", eps=eps, t_end=t_end, steps=k) for k in (60, 30))
+    for s in range(2):
+        ps = p.map(lambda t: t[s])
+        fn = mf.model_fn(X[s], ps.m, "silu")
+
+        def field(_, th, s=s, fn=fn):  # -J^T (J J^T + eps I)^-1 r, from the dense Jacobian
+            th = torch.as_tensor(th, dtype=F64)
+            J = cv.jacobian(fn, th)
+            r = fn(th) - Y[s]
+            return (-J.T @ torch.linalg.solve(J @ J.T + eps[s] * torch.eye(4, dtype=F64), r)).numpy()
+
+        ref = solve_ivp(field, (0, t_end), mf.flatten(ps).numpy(), method="DOP853", rtol=1e-12, atol=1e-12).y[:, -1]
+        err, err_half = (np.abs(mf.flatten(f.params)[s].numpy() - ref).max() for f in (fl, fl_half))
+        assert err < 1e-7
+        assert 10 < err_half / err < 22  # fourth order: halving the step divides the error by about 16
+    h = fl.history
+    assert set(h.columns) >= {"entry", "step", "fs_time", "loss", "rel_loss", "lam_min_K", "travel"}
+    assert (h.groupby("entry").rel_loss.diff().dropna() <= 1e-15).all()  # the loss never increases (prop 3)
+
+
+def test_gn_flow_worst_case_decays_at_the_proposition_rate():
+    p = mf.init_student(40, 3, init_std=1.0, seeds=[0, 1])
+    X = randn(2, 8, 3, seed=9)
+    Y = mf.slowest_mode_targets(p, X, "silu", amplitude=1e-3)  # tiny: the kernel does not move
+    lam0 = torch.linalg.eigvalsh(mf.ntk(p, X, "silu"))[:, 0]
+    eps = lam0 * torch.tensor([0.1, 10.0], dtype=F64)
+    c = mf.flow_rate(lam0, eps)
+    h = mf.gn_flow(p, X, Y, "silu", eps=eps, t_end=3 / c, steps=40).history
+    for e_, he in h.groupby("entry"):
+        rate, se = mf.fit_rate(he.fs_time.to_numpy(), np.log(he.rel_loss.to_numpy()))
+        assert rate[0] == pytest.approx(float(c[e_]), rel=1e-4)
+        assert se[0] < 1e-4 * rate[0]
+    # the damping-free rate 2 is far off for the damped entry
+    assert abs(2.0 - float(c[1])) > 1.0
+
+
+def test_gn_flow_bad_inputs():
+    p, X, Y = problem(n=4, d=2, m=3, S=2)
+    with pytest.raises(ValueError, match="eps"):
+        mf.gn_flow(p, X, Y, "silu", eps=-1.0, t_end=1.0, steps=2)
+    with pytest.raises(ValueError, match="t_end"):
+        mf.gn_flow(p, X, Y, "silu", eps=0.1, t_end=0.0, steps=2)
+    with pytest.raises(ValueError, match="one value per batch entry"):
+        mf.gn_flow(p, X, Y, "silu", eps=[0.1, 0.2, 0.3], t_end=1.0, steps=2)
+    with pytest.raises(ValueError, match="steps"):
+        mf.gn_flow(p, X, Y, "silu", eps=0.1, t_end=1.0, steps=0)
+    with pytest.raises(ValueError, match="params0"):
+        mf.gn_flow(p.map(lambda t: t[0]), X[0], Y[0], "silu", eps=0.1, t_end=1.0, steps=2)
+    with pytest.raises(TypeError, match="params0"):
+        mf.gn_flow((1, 2, 3), X, Y, "silu", eps=0.1, t_end=1.0, steps=2)
+
+
+def test_fit_rate_recovers_an_exponential_and_its_se():
+    t = np.linspace(0, 5, 50)
+    rate, se = mf.fit_rate(t, -0.7 * t + 0.3)
+    assert rate[0] == pytest.approx(0.7, rel=1e-12) and se[0] < 1e-12
+    noisy = -0.7 * t + np.random.default_rng(0).normal(0, 0.01, (200, t.size))
+    rates, ses = mf.fit_rate(np.broadcast_to(t, noisy.shape), noisy)
+    assert abs(rates.mean() - 0.7) < 4 * rates.std() / np.sqrt(200)
+    assert np.median(ses) == pytest.approx(rates.std(), rel=0.2)  # the SE is the spread of the slope
+    for bad in ((t[:2], t[:2]), (t, t[:-1]), (np.zeros(5), np.arange(5.0)), (t, np.full_like(t, np.nan))):
+        with pytest.raises(ValueError):
+            mf.fit_rate(*bad)
+
+
+def test_svd_gn_direction_is_the_damped_step_on_a_positive_definite_kernel_and_the_authors_solve():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import authors_gn
+
+    p, X, Y = problem(n=8, d=3, m=20, S=2, seed=4, std=1.0)
+    gn = mf.gn_direction(p, X, Y, "silu", mf.Damping.adaptive(1e-7), spectrum=True)
+    assert float(gn.eigs[:, -1].min()) > 1e-7
+    sv = mf.svd_gn_direction(p, X, Y, "silu", floor=1e-7)
+    torch.testing.assert_close(mf.flatten(sv.delta), mf.flatten(gn.delta), rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(sv.lam, gn.lam)
+    # small initial scale: K has round-off negative eigenvalues; the benchmarks' independent re-implementation of
+    # the authors' solve gives the same z (both are one SVD of the same K)
+    q = mf.init_student(30, 3, init_std=1e-3, seeds=[0])
+    Xq, Yq = randn(1, 12, 3, seed=1), randn(1, 12, seed=2)
+    svq = mf.svd_gn_direction(q, Xq, Yq, "silu", floor=1e-7)
+    r = mf.forward(q, Xq, "silu") - Yq
+    z_ref, stats = authors_gn.svd_solve(svq.K[0], r[0], 1e-7)
+    torch.testing.assert_close(svq.z[0], z_ref, rtol=1e-10, atol=0.0)
+    assert float(svq.lam[0]) == pytest.approx(stats["min_sigma"])
+    with pytest.raises(ValueError, match="floor"):
+        mf.svd_gn_direction(p, X, Y, "silu", floor=-1.0)

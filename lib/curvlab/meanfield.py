@@ -48,7 +48,10 @@ layer on frozen features, the code's cut-off :math:`10^{-10}` on the Gram eigenv
 (:func:`random_features`), WCD (:func:`wcd`), distance from initialisation, spectrum of :math:`K`.
 
 **Theory helpers** (chapter 20): :func:`mode_contraction`, :func:`steps_bracket` (steps to a loss tolerance from the
-spectrum, and the precondition under which it is asserted), :func:`gd_divergence_lr`.
+spectrum, and the precondition under which it is asserted), :func:`gd_divergence_lr`; for Proposition 1 (global
+convergence of the damped GN flow) :func:`flow_rate`, :func:`flow_radius`, the flow itself (:func:`gn_flow`, RK4),
+:func:`slowest_mode_targets` (its worst case) and :func:`fit_rate`; the authors' SVD solve
+(:func:`svd_gn_direction`, whose sign flip chapter 20 measures).
 
 **Data** (chapters 21, 22): :func:`teacher_student` (the authors' defaults: :math:`d=10`, teacher width 5,
 :math:`n=500`, :math:`10\,000` test points), :func:`load_digits_data` (scikit-learn's digits, offline), and a real
@@ -113,6 +116,13 @@ __all__ = [
     "rank_correlation",
     "StepsBracket",
     "gd_divergence_lr",
+    "flow_rate",
+    "flow_radius",
+    "slowest_mode_targets",
+    "gn_flow",
+    "Flow",
+    "fit_rate",
+    "svd_gn_direction",
     "read_idx",
     "write_idx",
     "load_mnist",
@@ -876,6 +886,194 @@ def gd_divergence_lr(K, n: int) -> torch.Tensor:
     if bool((top <= 0).any()):
         raise ValueError("K must have a positive eigenvalue")
     return 2 * n / top
+
+
+# ============================================================================================ Proposition 1: the flow
+def flow_rate(lam_star, eps) -> torch.Tensor:
+    r"""Guaranteed loss rate of the damped GN flow (chapter 20, Proposition 1 in the book's version).
+
+    Along :math:`\dot\theta=-\Delta_{\mathrm{GN}}` (time :math:`t_{\mathrm f}`) with
+    :math:`\lmin(K_t)\ge\lambda_\star>0`, :math:`\Loss(t_{\mathrm f})\le e^{-c\,t_{\mathrm f}}\Loss(0)` with
+
+    .. math:: c(\varepsilon)=\frac{2\lambda_\star}{\lambda_\star+\varepsilon},\qquad \varepsilon=n\lamGN
+
+    (``eps`` in kernel units, like :class:`Damping`). :math:`c\to2` as :math:`\varepsilon\to0` whatever
+    :math:`\lambda_\star`, :math:`c=1` at :math:`\varepsilon=\lambda_\star`, :math:`c\approx2\lambda_\star/\varepsilon`
+    for :math:`\varepsilon\gg\lambda_\star`. Broadcasts; float64.
+    """
+    lam = _f64("lam_star", lam_star)
+    e = _f64("eps", eps)
+    if bool((lam <= 0).any()):
+        raise ValueError("lam_star must be > 0 (a lower bound on lambda_min(K) along the flow)")
+    if bool((e < 0).any()):
+        raise ValueError("eps must be >= 0 (the damping n lambda_GN, in kernel units)")
+    return 2 * lam / (lam + e)
+
+
+def flow_radius(r0_norm, lam_star, eps) -> torch.Tensor:
+    r"""Radius of the ball the damped GN flow stays in (chapter 20, Proposition 1):
+    :math:`\lVert\theta_t-\theta_0\rVert\le R(\varepsilon)=\lVert r_0\rVert\,\rho_\varepsilon(\lambda_\star)/
+    \nu_\varepsilon(\lambda_\star)` with :math:`\nu_\varepsilon(s)=s/(s+\varepsilon)` and
+    :math:`\rho_\varepsilon(\lambda_\star)=\sup_{s\ge\lambda_\star}\sqrt s/(s+\varepsilon)`, i.e.
+
+    .. math:: R(\varepsilon)=\frac{\lVert r_0\rVert}{\sqrt{\lambda_\star}}\ \text{if}\ \varepsilon\le\lambda_\star,
+        \qquad R(\varepsilon)=\frac{\lVert r_0\rVert}{\sqrt{\lambda_\star}}\,
+        \frac{\lambda_\star+\varepsilon}{2\sqrt{\varepsilon\lambda_\star}}\ \text{if}\ \varepsilon>\lambda_\star
+        \quad(\varepsilon=n\lamGN).
+
+    ``r0_norm`` :math:`=\lVert r_0\rVert` (not the loss). Broadcasts; float64.
+    """
+    r0 = _f64("r0_norm", r0_norm)
+    if bool((r0 < 0).any()):
+        raise ValueError("r0_norm must be >= 0 (the norm of the initial residual)")
+    lam = _f64("lam_star", lam_star)
+    e = _f64("eps", eps)
+    flow_rate(lam, e)  # validates lam_star > 0 and eps >= 0
+    ratio = (lam + e) / (2 * torch.sqrt(e * lam))
+    return r0 / torch.sqrt(lam) * torch.where(e >= lam, ratio, torch.ones_like(ratio))
+
+
+def slowest_mode_targets(params: MFParams, X, act: str, *, amplitude: float) -> torch.Tensor:
+    r"""Targets whose initial residual lies in the slowest mode of :math:`K_0` (chapter 20, Proposition 1's
+    worst case): :math:`Y=f_{\theta_0}(X)-a\sqrt{\lmin(K_0)}\,u_{\min}`, so :math:`r_0=a\sqrt{\lmin(K_0)}\,u_{\min}`
+    and the linearised flow moves :math:`\theta` by exactly :math:`a` (``amplitude``). Scalar output only;
+    one target vector per batch entry, ``(..., n)``."""
+    params = _check_params(params)
+    if params.vector_output:
+        raise ValueError("params must have a scalar output (v of shape (..., m)) for slowest_mode_targets")
+    X = _check_X(X, params)
+    a = check_positive("amplitude", amplitude)
+    F = _feat(params, X, _check_act(act))
+    lam, U = torch.linalg.eigh(_kernel(params, X, F))
+    if bool((lam[..., 0] <= 0).any()):
+        raise ValueError("K(theta_0) must be positive definite (lambda_min > 0) to define the slowest mode")
+    r0 = a * torch.sqrt(lam[..., :1]) * U[..., :, 0]
+    return (_out(params, F.Phi) - r0.to(F.Phi.dtype)).detach()
+
+
+class Flow(NamedTuple):
+    """Result of :func:`gn_flow`: the final parameters and the tidy history (one row per batch entry × record)."""
+
+    params: MFParams
+    history: pd.DataFrame
+
+
+def _flow_field(p: MFParams, X: torch.Tensor, Y: torch.Tensor, act: str, eps: torch.Tensor, want: bool):
+    F = _feat(p, X, act)
+    K = _kernel(p, X, F)
+    r = _resid_feat(p, F, Y).to(_GRAM_DTYPE)
+    eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+    z = _solve(K + eps[..., None, None] * eye, r)
+    lmin = torch.linalg.eigvalsh(K)[..., 0] if want else None
+    return _jt_feat(p, X, F, z), 0.5 * (r ** 2).sum(-1) / X.shape[-2], lmin
+
+
+def gn_flow(params0: MFParams, X, Y, act: str, *, eps, t_end, steps: int, record_every: int = 1) -> Flow:
+    r"""The damped GN flow :math:`\dot\theta=-\Delta_{\mathrm{GN}}=-J^\top(K+\varepsilon I)^{-1}r` in
+    function-space time :math:`t_{\mathrm f}` (chapter 20, Proposition 1), integrated by the classical
+    fourth-order Runge–Kutta method with ``steps`` equal steps up to ``t_end``.
+
+    ``eps`` (:math:`\varepsilon=n\lamGN`, kernel units) and ``t_end`` are numbers or one value per batch entry
+    (leading dimension of ``params0``): a sweep over seeds and dampings is one batched integration. The error of
+    RK4 is :math:`O(h^4)`, :math:`h=t_{\mathrm{end}}/\texttt{steps}`; halve ``steps`` and compare to estimate it.
+    Records every ``record_every`` steps (and the last): ``entry``, ``step``, ``fs_time``, ``loss``, ``rel_loss``,
+    ``lam_min_K`` (:math:`\lmin(K)` at the recorded point) and ``travel`` :math:`\lVert\theta-\theta_0\rVert`
+    (all parameters).
+    """
+    params0 = _check_params(params0, "params0")
+    if len(params0.batch_shape) != 1:
+        raise ValueError(f"params0 must carry one leading batch dimension (B, ...), got {tuple(params0.batch_shape)}")
+    B = params0.batch_shape[0]
+    act = _check_act(act)
+    X = _check_X(X, params0)
+    Y = _check_Y(Y, params0, X)
+    steps = check_int("steps", steps, min_value=1)
+    record_every = check_int("record_every", record_every, min_value=1)
+    eps_t, t_t = _f64("eps", eps).to(X.device), _f64("t_end", t_end).to(X.device)
+    if bool((eps_t < 0).any()):
+        raise ValueError("eps must be >= 0 (the damping n lambda_GN, in kernel units)")
+    if bool((t_t <= 0).any()):
+        raise ValueError("t_end must be > 0")
+    try:
+        eps_t, t_t = eps_t.expand(B).contiguous(), t_t.expand(B).contiguous()
+    except RuntimeError as exc:
+        raise ValueError(f"eps and t_end must be numbers or have one value per batch entry ({B})") from exc
+    h = (t_t / steps).to(params0.W.dtype)
+    theta0 = flatten(params0)
+    rows: list[dict] = []
+    p, loss0 = params0, None
+    with torch.no_grad():
+        for k in range(steps + 1):
+            rec = k % record_every == 0 or k == steps
+            k1, cur, lmin = _flow_field(p, X, Y, act, eps_t, rec)
+            if loss0 is None:
+                loss0 = cur
+            if rec:
+                travel = (flatten(p) - theta0).norm(dim=-1)
+                for e_ in range(B):
+                    rows.append({"entry": e_, "step": k, "fs_time": float(h[e_]) * k, "loss": float(cur[e_]),
+                                 "rel_loss": float(cur[e_] / loss0[e_]), "lam_min_K": float(lmin[e_]),
+                                 "travel": float(travel[e_])})
+            if k == steps:
+                break
+            k2 = _flow_field(p.axpy(-h / 2, k1), X, Y, act, eps_t, False)[0]
+            k3 = _flow_field(p.axpy(-h / 2, k2), X, Y, act, eps_t, False)[0]
+            k4 = _flow_field(p.axpy(-h, k3), X, Y, act, eps_t, False)[0]
+            incr = k1.axpy(2.0, k2).axpy(2.0, k3).axpy(1.0, k4)
+            p = p.axpy(-h / 6, incr)
+    hist = pd.DataFrame(rows)
+    hist.attrs.update(n=X.shape[-2], act=act, steps=steps)
+    return Flow(p, hist)
+
+
+def fit_rate(t, log_loss) -> tuple[np.ndarray, np.ndarray]:
+    r"""Least-squares decay rate of a loss curve: the slope :math:`\hat c` of :math:`-\log\Loss` against
+    :math:`t_{\mathrm f}` (with an intercept) and its standard error, per row. ``t`` and ``log_loss`` have shape
+    ``(T,)`` or ``(R, T)`` with ``T >= 3`` (chapter 20). For a curve whose derivative is
+    :math:`\le-c` everywhere the slope is :math:`\ge c` (it is a positively weighted average of derivatives)."""
+    tt = np.atleast_2d(np.asarray(t, dtype=float))
+    yy = np.atleast_2d(np.asarray(log_loss, dtype=float))
+    if tt.shape != yy.shape or tt.shape[1] < 3:
+        raise ValueError(f"t and log_loss must share a shape (T,) or (R, T) with T >= 3, got {tt.shape}, {yy.shape}")
+    if not (np.isfinite(tt).all() and np.isfinite(yy).all()):
+        raise ValueError("t and log_loss must be finite")
+    tc = tt - tt.mean(1, keepdims=True)
+    sxx = (tc ** 2).sum(1)
+    if bool((sxx <= 0).any()):
+        raise ValueError("t must not be constant within a row")
+    slope = (tc * (yy - yy.mean(1, keepdims=True))).sum(1) / sxx
+    resid = yy - yy.mean(1, keepdims=True) - slope[:, None] * tc
+    se = np.sqrt((resid ** 2).sum(1) / (tt.shape[1] - 2) / sxx)
+    return -slope, se
+
+
+# ============================================================================================ the authors' SVD solve
+def svd_gn_direction(params: MFParams, X, Y, act: str, *, floor: float = 1e-7) -> GNDirection:
+    r"""The GN direction solved as paper 2's released optimizer solves it (chapter 20; deviations A.8).
+
+    With the SVD :math:`K=U\operatorname{diag}(s)V^\top` (singular values clamped at 0) and the damping
+    :math:`\lambda=\max(\text{floor},\min_i s_i)` added to the singular values, :math:`z=V\operatorname{diag}
+    \big(1/(s_i+\lambda)\big)U^\top r` and the direction is :math:`J^\top z`. For a positive semi-definite
+    :math:`K` this is :func:`gn_direction` with ``Damping.adaptive(floor)``. An eigenvalue :math:`\lambda_i<0`
+    that round-off leaves in :math:`K` has :math:`s_i=|\lambda_i|` and :math:`u_i=-v_i`: its coefficient is
+    :math:`-1/(|\lambda_i|+\lambda)` where the damped GN step has :math:`+1/(\lambda_i+\lambda)`.
+    Returns a :class:`GNDirection` whose ``eigs`` are the singular values (descending) and ``lam`` the damping.
+    """
+    params = _check_params(params)
+    X = _check_X(X, params)
+    Y = _check_Y(Y, params, X)
+    floor = check_nonnegative("floor", floor)
+    F = _feat(params, X, _check_act(act))
+    K = _kernel(params, X, F)
+    r = _resid_feat(params, F, Y).to(_GRAM_DTYPE)
+    U, s, Vh = torch.linalg.svd(K)
+    s = s.clamp_min(0)
+    lam = torch.clamp(s.amin(-1), min=floor)
+    if bool((s + lam[..., None] <= 0).any()):
+        raise ValueError("K is zero and floor = 0: the SVD solve is undefined; use floor > 0")
+    coef = (U.transpose(-1, -2) @ r.unsqueeze(-1)).squeeze(-1) / (s + lam[..., None])
+    z = (Vh.transpose(-1, -2) @ coef.unsqueeze(-1)).squeeze(-1)
+    return GNDirection(_jt_feat(params, X, F, z), z, lam, s, K)
 
 
 # ============================================================================================ training
