@@ -337,3 +337,15 @@ def test_docstring_examples_run():
     torch.manual_seed(0)
     result = doctest.testmod(cm, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 10 and result.failed == 0
+
+
+@pytest.mark.parametrize("loss", cm.LOSSES)
+def test_loss_value_and_gradient_against_torch_losses(loss):
+    net, X, T = _case("cnn", loss)
+    prob = cm.problem(net, X, T, loss, chunk_size=3)
+    th = prob.theta().requires_grad_(True)
+    out = functional_call(net, prob.unflatten(th), (X,))
+    L = 0.5 * ((out - T) ** 2).sum(1).mean() if loss == "mse" else nn.functional.cross_entropy(out, T)
+    (g,) = torch.autograd.grad(L, th)
+    assert cm.loss_value(prob) == pytest.approx(float(L.detach()), rel=1e-13)
+    assert torch.allclose(cm.loss_gradient(prob), g, atol=1e-14, rtol=1e-12)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -76,6 +76,7 @@ __all__ = [
     "gn_step",
     "apply_step",
     "loss_value",
+    "loss_gradient",
 ]
 
 LOSSES = ("mse", "cross_entropy")
@@ -100,6 +101,8 @@ class Problem:
     c: int
     dtype: torch.dtype
     device: torch.device
+    #: the last :func:`jacobian`, with the parameters, buffers and modes it was computed at (reused while unchanged)
+    _cache: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def p(self) -> int:
@@ -358,7 +361,9 @@ def _kernel_vector_product(prob: Problem, w: torch.Tensor) -> torch.Tensor:
 def jacobian(prob: Problem) -> torch.Tensor:
     r"""The loss-weighted Jacobian :math:`\tilde J` (rows :math:`\tilde J_i = S_i^\top J_i`), shape ``(n c, p)``,
     sample-major, so that :math:`H_{\mathrm{GN}} = \tilde J^\top\tilde J/n` and :math:`K = \tilde J\tilde J^\top`.
-    Built per chunk with ``vmap`` over VJPs; memory :math:`O(ncp)`.
+    Built per chunk with ``vmap`` over VJPs; memory :math:`O(ncp)`. Kept on ``prob`` and reused by the next call
+    (from :func:`condition`, :func:`kfac_block_errors`, :func:`gn_step`) while parameters, buffers and train/eval
+    modes are unchanged.
 
     >>> import torch; from torch import nn; from curvlab import model as cm
     >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
@@ -368,6 +373,9 @@ def jacobian(prob: Problem) -> torch.Tensor:
     """
     prob = _check_problem(prob)
     theta = prob.theta()
+    key = _state_key(prob, theta)
+    if prob._cache is not None and _same_key(prob._cache[0], key):
+        return prob._cache[1]
     rows = []
     for X, _ in prob.chunks:
         fn = prob.forward_fn(X)
@@ -377,7 +385,21 @@ def jacobian(prob: Problem) -> torch.Tensor:
         idx = torch.arange(f.shape[0], device=f.device).repeat_interleave(f.shape[1])
         E[torch.arange(f.numel(), device=f.device), idx] = S.transpose(1, 2).reshape(-1, f.shape[1])
         rows.append(vmap(lambda e: pullback(e)[0])(E))
-    return torch.cat(rows)
+    Jt = torch.cat(rows)
+    prob._cache = (key, Jt)
+    return Jt
+
+
+def _state_key(prob: Problem, theta: torch.Tensor) -> tuple:
+    """What the Jacobian depends on besides the data: parameters, buffers, train/eval flags."""
+    return (theta, [b.detach().clone() for b in prob.model.buffers()],
+            [p.detach().clone() for p in prob.model.parameters() if not p.requires_grad],
+            [m.training for m in prob.model.modules()])
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    return (torch.equal(a[0], b[0]) and a[3] == b[3] and len(a[1]) == len(b[1]) and len(a[2]) == len(b[2])
+            and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) and all(torch.equal(x, y) for x, y in zip(a[2], b[2])))
 
 
 def ggn_matrix(prob: Problem, *, max_params: int = 20_000) -> torch.Tensor:
@@ -670,6 +692,28 @@ def gn_step(prob: Problem, lam_GN: float) -> torch.Tensor:
                          + (" (cross-entropy's K is always singular)" if prob.loss == "cross_entropy" else ""))
     z = torch.cholesky_solve(rho.unsqueeze(-1), L).squeeze(-1)
     return Jt.T @ z
+
+
+def loss_gradient(prob: Problem, theta: torch.Tensor | None = None) -> torch.Tensor:
+    r"""The gradient :math:`\nabla\mathcal L(\theta)` of the averaged loss by reverse mode, ``(p,)`` (current
+    parameters when ``theta`` is None); the gradient-descent direction that :func:`gn_step` preconditions.
+
+    >>> import torch; from torch import nn; from curvlab import model as cm
+    >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    >>> prob = cm.problem(net, torch.randn(8, 3).double(), torch.randn(8, 2).double())
+    >>> cm.loss_gradient(prob).shape
+    torch.Size([26])
+    """
+    prob = _check_problem(prob)
+    theta = prob.theta() if theta is None else _as_vectors(prob, theta, prob.p, "theta")
+    if theta.dim() != 1:
+        raise ValueError(f"theta must have shape ({prob.p},), got {tuple(theta.shape)}")
+    total = torch.zeros_like(theta)
+    for X, Y in prob.chunks:
+        fn = prob.forward_fn(X)
+        f, pullback = vjp(fn, theta)
+        total = total + pullback(_loss_grad_out(prob, f.detach(), Y))[0]
+    return total / prob.n
 
 
 def apply_step(prob: Problem, delta, eta: float = 1.0) -> None:
