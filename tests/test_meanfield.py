@@ -614,3 +614,20 @@ def test_svd_gn_direction_is_the_damped_step_on_a_positive_definite_kernel_and_t
     assert float(svq.lam[0]) == pytest.approx(stats["min_sigma"])
     with pytest.raises(ValueError, match="floor"):
         mf.svd_gn_direction(p, X, Y, "silu", floor=-1.0)
+
+
+def test_svd_step_difference_records_the_run_and_agrees_on_positive_definite_kernels():
+    p, X, Y = problem(n=8, d=3, m=20, S=2, seed=4, std=1.0)
+    tab = mf.svd_step_difference(p, X, Y, "silu", eta=0.5, steps=2)
+    assert list(tab.step) == [1, 1, 2, 2] and set(tab.dtype) == {"float64"}
+    assert (tab.negative_eigs == 0).all() and (tab.rel_diff < 1e-8).all()
+    # the first row's difference is the one svd_gn_direction and gn_direction give directly
+    gn = mf.flatten(mf.gn_direction(p, X, Y, "silu", mf.Damping.adaptive(1e-7)).delta)
+    sv = mf.flatten(mf.svd_gn_direction(p, X, Y, "silu").delta)
+    assert tab.rel_diff.iloc[0] == pytest.approx(float((sv - gn)[0].norm() / gn[0].norm()), rel=1e-12, abs=1e-300)
+    with pytest.raises(ValueError, match="eta"):
+        mf.svd_step_difference(p, X, Y, "silu", eta=0.0)
+    with pytest.raises(ValueError, match="steps"):
+        mf.svd_step_difference(p, X, Y, "silu", eta=0.5, steps=0)
+    with pytest.raises(ValueError, match="params0"):
+        mf.svd_step_difference(p.map(lambda t: t[0]), X[0], Y[0], "silu", eta=0.5)

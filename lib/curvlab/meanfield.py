@@ -51,7 +51,7 @@ layer on frozen features, the code's cut-off :math:`10^{-10}` on the Gram eigenv
 spectrum, and the precondition under which it is asserted), :func:`gd_divergence_lr`; for Proposition 1 (global
 convergence of the damped GN flow) :func:`flow_rate`, :func:`flow_radius`, the flow itself (:func:`gn_flow`, RK4),
 :func:`slowest_mode_targets` (its worst case) and :func:`fit_rate`; the authors' SVD solve
-(:func:`svd_gn_direction`, whose sign flip chapter 20 measures).
+(:func:`svd_gn_direction`, whose sign flip chapter 20 measures with :func:`svd_step_difference`).
 
 **Data** (chapters 21, 22): :func:`teacher_student` (the authors' defaults: :math:`d=10`, teacher width 5,
 :math:`n=500`, :math:`10\,000` test points), :func:`load_digits_data` (scikit-learn's digits, offline), and a real
@@ -123,6 +123,7 @@ __all__ = [
     "Flow",
     "fit_rate",
     "svd_gn_direction",
+    "svd_step_difference",
     "read_idx",
     "write_idx",
     "load_mnist",
@@ -1074,6 +1075,38 @@ def svd_gn_direction(params: MFParams, X, Y, act: str, *, floor: float = 1e-7) -
     coef = (U.transpose(-1, -2) @ r.unsqueeze(-1)).squeeze(-1) / (s + lam[..., None])
     z = (Vh.transpose(-1, -2) @ coef.unsqueeze(-1)).squeeze(-1)
     return GNDirection(_jt_feat(params, X, F, z), z, lam, s, K)
+
+
+def svd_step_difference(params0: MFParams, X, Y, act: str, *, eta: float, floor: float = 1e-7,
+                        steps: int = 3) -> pd.DataFrame:
+    r"""How far the authors' SVD solve (:func:`svd_gn_direction`) is from the damped GN step along a run
+    (chapter 20; deviations A.8).
+
+    Runs ``steps`` damped GN steps :math:`\theta\leftarrow\theta-\eta\Delta_{\mathrm{GN}}` with the adaptive damping
+    ``floor`` from ``params0`` (in its dtype: the authors' parameters are float32, the Gram matrix float64) and, at
+    each, records per batch entry: ``negative_eigs`` (eigenvalues of the computed :math:`K` below 0),
+    ``lam_max_K``, ``lam_gn``, ``cond`` :math:`=(\lmax+\lamGN)/(\lmin+\lamGN)` and ``rel_diff``
+    :math:`=\lVert\Delta_{\mathrm{SVD}}-\Delta_{\mathrm{GN}}\rVert/\lVert\Delta_{\mathrm{GN}}\rVert`.
+    """
+    params0 = _check_params(params0, "params0")
+    if len(params0.batch_shape) != 1:
+        raise ValueError(f"params0 must carry one leading batch dimension (B, ...), got {tuple(params0.batch_shape)}")
+    eta = check_positive("eta", eta)
+    steps = check_int("steps", steps, min_value=1)
+    rows, p = [], params0
+    for k in range(1, steps + 1):
+        gn = gn_direction(p, X, Y, act, Damping.adaptive(floor), spectrum=True)
+        d_gn = flatten(gn.delta).double()
+        d_svd = flatten(svd_gn_direction(p, X, Y, act, floor=floor).delta).double()
+        rel = (d_svd - d_gn).norm(dim=-1) / d_gn.norm(dim=-1)
+        for s_ in range(params0.batch_shape[0]):
+            e_ = gn.eigs[s_]
+            rows.append({"step": k, "entry": s_, "dtype": str(params0.W.dtype).replace("torch.", ""),
+                         "negative_eigs": int((e_ < 0).sum()), "lam_max_K": float(e_[0]),
+                         "lam_gn": float(gn.lam[s_]), "cond": float((e_[0] + gn.lam[s_]) / (e_[-1] + gn.lam[s_])),
+                         "rel_diff": float(rel[s_])})
+        p = p.axpy(-eta, gn.delta)
+    return pd.DataFrame(rows)
 
 
 # ============================================================================================ training
