@@ -306,6 +306,8 @@ def test_bad_input_is_named():
         cm.problem(net, X)
     with pytest.raises(TypeError, match="inputs must be a tensor"):
         cm.problem(net, 3.0, T)
+    with pytest.raises(TypeError, match="inputs must be a tensor"):
+        cm.problem(net, X.numpy(), T)
     two = _mlp().double()
     two[2].to("meta")
     with pytest.raises(ValueError, match="model parameters must live on one device"):
@@ -349,3 +351,23 @@ def test_loss_value_and_gradient_against_torch_losses(loss):
     (g,) = torch.autograd.grad(L, th)
     assert cm.loss_value(prob) == pytest.approx(float(L.detach()), rel=1e-13)
     assert torch.allclose(cm.loss_gradient(prob), g, atol=1e-14, rtol=1e-12)
+
+
+def test_a_bare_linear_module_and_an_unused_layer():
+    torch.manual_seed(5)
+    lin = nn.Linear(4, 3).double()
+    X, T = torch.randn(N, 4, dtype=torch.float64), torch.randn(N, 3, dtype=torch.float64)
+    (fac,) = cm.kfac_factors(cm.problem(lin, X, T))
+    assert (fac.weight, fac.bias) == ("weight", "bias")
+    assert torch.allclose(fac.C_in, X.T @ X / N) and torch.allclose(fac.C_out, torch.eye(3, dtype=torch.float64))
+
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.spare = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    with pytest.raises(ValueError, match="does not use"):
+        cm.kfac_factors(cm.problem(Unused().double(), X, T))

@@ -32,7 +32,8 @@ held fixed at their current values (they are constants of :math:`f_\theta`). Bat
 running statistics are used and :math:`f_\theta(x_i)` depends on :math:`x_i` alone (recommended); in **train** mode the
 statistics of each data chunk are used, so :math:`f_\theta` couples the samples of a chunk and the curvature is that
 of this coupled function (the chunk is then part of the model: results depend on ``chunk_size``). The module's own
-running statistics are never updated by this module in either mode.
+running statistics are never updated by this module in either mode. Put dropout (and any other random layer) in
+eval mode: a random function has no Gauss–Newton matrix to compute.
 
 **Routes.** Products (:func:`ggn_vector_product`) use one JVP and one VJP per data chunk and never form
 :math:`J`; :func:`ggn_matrix` and :func:`kernel_matrix` form :math:`\tilde J` (``nc x p``, memory :math:`O(ncp)`);
@@ -166,8 +167,8 @@ def _as_chunks(inputs, targets, chunk_size) -> list:
         n = inputs.shape[0]
         size = n if chunk_size is None else check_int("chunk_size", chunk_size, min_value=1)
         return [(inputs[i:i + size], targets[i:i + size]) for i in range(0, n, size)]
-    if isinstance(inputs, torch.utils.data.DataLoader) or (isinstance(inputs, Iterable)
-                                                            and not isinstance(inputs, (str, bytes, dict))):
+    if isinstance(inputs, torch.utils.data.DataLoader) or (isinstance(inputs, Iterable) and not isinstance(
+            inputs, (str, bytes, dict, np.ndarray))):
         if targets is not None:
             raise ValueError("targets must be None when inputs is a DataLoader (it yields (inputs, targets) pairs)")
         if chunk_size is not None:
@@ -543,6 +544,10 @@ def _layer_inputs(mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
     return patches.transpose(1, 2)  # (n, n_pos, d_in k k)
 
 
+def _pname(module: str, param: str) -> str:
+    return f"{module}.{param}" if module else param
+
+
 def _supported(mod: nn.Module) -> bool:
     if isinstance(mod, nn.Linear):
         return True
@@ -556,7 +561,8 @@ def kfac_factors(prob: Problem) -> list[KFACFactors]:
     :math:`C_{\mathrm{out}} = \frac1n\sum_{i,s}\sum_{j} g_{i,s,j}g_{i,s,j}^\top` with :math:`g_{i,s,j}` the gradient of
     :math:`(S_i^\top f_\theta(x_i))_j` with respect to the layer's output at position :math:`s` (Martens & Grosse
     2015; "expand" convention for weight sharing, Eschenhagen et al. 2023; chapter 02 and :func:`curvlab.primer.kfac_factors`).
-    A layer used twice in one forward pass is refused.
+    Other layers (batch norm's affine parameters, grouped or string-padded convolutions, embeddings) get no factors.
+    A layer used twice in one forward pass, or not at all, is refused.
 
     >>> import torch; from torch import nn; from curvlab import model as cm
     >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
@@ -567,7 +573,7 @@ def kfac_factors(prob: Problem) -> list[KFACFactors]:
     prob = _check_problem(prob)
     trainable = set(prob.names)
     layers = [(name, mod) for name, mod in prob.model.named_modules() if _supported(mod)
-              and f"{name}.weight" in trainable]
+              and _pname(name, "weight") in trainable]
     if not layers:
         raise ValueError("model has no trainable nn.Linear or nn.Conv2d (groups=1, zero padding) layer for K-FAC")
     C_in = {name: 0.0 for name, _ in layers}
@@ -589,6 +595,9 @@ def kfac_factors(prob: Problem) -> list[KFACFactors]:
             for h in handles:
                 h.remove()
         S = _sqrt_hess(prob, f.detach())
+        unused = [name for name, _ in layers if name not in seen]
+        if unused:
+            raise ValueError(f"model has K-FAC layers that its forward pass does not use: {unused}")
         outs = [seen[name][1] for name, _ in layers]
         for j in range(prob.c):
             grads = torch.autograd.grad(f, outs, grad_outputs=S[:, :, j], retain_graph=j < prob.c - 1)
@@ -601,8 +610,8 @@ def kfac_factors(prob: Problem) -> list[KFACFactors]:
             C_in[name] = C_in[name] + torch.einsum("isa,isb->ab", a, a) / a.shape[1]
     result = []
     for name, mod in layers:
-        bias = f"{name}.bias" if mod.bias is not None and f"{name}.bias" in trainable else None
-        result.append(KFACFactors(module=name, weight=f"{name}.weight", bias=bias,
+        bias = _pname(name, "bias") if mod.bias is not None and _pname(name, "bias") in trainable else None
+        result.append(KFACFactors(module=name, weight=_pname(name, "weight"), bias=bias,
                                   C_out=(C_out[name] / prob.n).detach(), C_in=(C_in[name] / prob.n).detach()))
     return result
 
