@@ -71,6 +71,11 @@ __all__ = [
 ]
 
 
+#: The reduced matrices here are at most ``d_y h^2`` = a few hundred to a few thousand square: one CPU thread is
+#: faster than two for them when cores are shared (OpenMP start-up and oversubscription), see ``config.cpu_threads``.
+_SMALL = True
+
+
 # ============================================================================================ shapes
 def output_side(image: int, s: int, padding: int = 0) -> int:
     r"""Side :math:`o = N + 2\,\mathrm{padding} - s + 1` of a stride-1 convolution of an ``image x image`` input with
@@ -216,8 +221,10 @@ def gn_dense(K, V, X, image: int = 8, padding: int = 0) -> torch.Tensor:
     from .curvature import jacobian
 
     fn, theta = flat_model(X, K, V, image, padding)
-    J = jacobian(fn, theta)
-    return J.T @ J / X.shape[0]
+    small = theta.numel() * X.shape[0] * V.shape[-2] <= 2**24           # J below 128 MiB: one thread is faster
+    with config.cpu_threads(1, when=small, device=theta.device):
+        J = jacobian(fn, theta)
+        return J.T @ J / X.shape[0]
 
 
 # ============================================================================================ reduced form
@@ -300,8 +307,9 @@ def bound_terms(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> dict[
     r"""The four singular values of the bound: :math:`\sigma_1(W)`, :math:`\sigma_r(W)`, :math:`\sigma_1(C_\Sigma)`,
     :math:`\sigma_{d_yr}(C_\Sigma)` (zero where the matrix has fewer columns than that), :math:`r`
     the numerical rank of :math:`\hat\Sigma` (:math:`N^2` when it is None). Batched."""
-    W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
-    return _terms(W, C, d_y, _rank_sigma(Sigma_hat, image * image))
+    with config.cpu_threads(1, when=_SMALL):
+        W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
+        return _terms(W, C, d_y, _rank_sigma(Sigma_hat, image * image))
 
 
 def kappa_bound(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> torch.Tensor:
@@ -316,11 +324,12 @@ def gn_condition(K, V, Sigma_hat=None, image: int = 8, padding: int = 0, *, rank
     numerical rank of :math:`\hat\Sigma`) unless ``rank`` is given; the numerical rank and the gap at the cut are
     reported (:func:`curvlab.deep_linear.condition`). The cut is the full rank of the reduced matrix on the range
     of :math:`I\otimes\hat\Sigma^{1/2}`; it needs :math:`W` of rank :math:`r` (e.g. :math:`co^2\ge r`)."""
-    H = gn_reduced(K, V, Sigma_hat, image, padding)
-    d_y = H.shape[-1] // (image * image)
-    if rank is None:
-        rank = d_y * _rank_sigma(Sigma_hat, image * image)
-    return condition(torch.linalg.eigvalsh(H), rank=rank)
+    with config.cpu_threads(1, when=_SMALL):
+        H = gn_reduced(K, V, Sigma_hat, image, padding)
+        d_y = H.shape[-1] // (image * image)
+        if rank is None:
+            rank = d_y * _rank_sigma(Sigma_hat, image * image)
+        return condition(torch.linalg.eigvalsh(H), rank=rank)
 
 
 # ============================================================================================ data
@@ -347,10 +356,11 @@ def conditioning_frame(K, V, Sigma_hat=None, image: int = 8, padding: int = 0, *
     r"""One row per network of the batch: ``kappa``, ``bound``, ``bound/kappa``, ``rank`` (the cut, :math:`d_yr`),
     ``gap`` (:math:`\lambda_r/\lambda_{r+1}` there) and the ``labels`` given (e.g. ``c=4, s=3``). The factors are
     formed once for both."""
-    W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
-    r = _rank_sigma(Sigma_hat, image * image)
-    cond = condition(torch.linalg.eigvalsh(_assemble(W, C, d_y)), rank=d_y * r)
-    b = _ratio(_terms(W, C, d_y, r)).reshape(-1)
+    with config.cpu_threads(1, when=_SMALL):
+        W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
+        r = _rank_sigma(Sigma_hat, image * image)
+        cond = condition(torch.linalg.eigvalsh(_assemble(W, C, d_y)), rank=d_y * r)
+        b = _ratio(_terms(W, C, d_y, r)).reshape(-1)
     kap = cond.kappa.reshape(-1)
     frame = pd.DataFrame({"kappa": kap.numpy(), "bound": b.numpy(), "bound/kappa": (b / kap).numpy(),
                           "gap": cond.gap.reshape(-1).numpy(), "rank": cond.rank})
