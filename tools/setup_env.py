@@ -4,7 +4,9 @@
   as it is. Otherwise ``--torch-pin`` is installed (default ``torch==2.13.0``, the CPU wheel this project's
   machines carry); set ``CURVLAB_TORCH_INDEX`` to an index URL to take it from elsewhere (e.g. PyTorch's CPU index).
 * ``lib/`` is installed in editable mode with the extras in ``EXTRAS`` (``book``, ``lab``, ``test``, ``cluster``). Its torch requirement is a
-  range, so pip leaves the torch found above alone.
+  range, and the install runs under a constraint ``torch==<the version found above>``, so that a dependency that
+  pins torch itself (BackPACK's torchvision, in the ``test`` extra) gets the release built for that torch instead of
+  replacing it (with a CUDA build, by default, from PyPI).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +41,12 @@ def main() -> None:
         import torch
 
         print(f"keeping the installed torch {torch.__version__}", flush=True)
-    pip("-e", f"{ROOT / 'lib'}[{','.join(EXTRAS)}]")
+    version = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = Path(tmp) / "keep-torch.txt"
+        constraints.write_text(f"torch=={version}\n")
+        pip("-c", str(constraints), "-e", f"{ROOT / 'lib'}[{','.join(EXTRAS)}]")
 
 
 if __name__ == "__main__":
