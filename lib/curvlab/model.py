@@ -330,7 +330,7 @@ def ggn_vector_product(prob: Problem, v) -> torch.Tensor:
     prob = _check_problem(prob)
     v = _as_vectors(prob, v, prob.p)
     theta = prob.theta()
-    out = torch.zeros_like(v)
+    out = None
     for X, _ in prob.chunks:
         fn = prob.forward_fn(X)
         f, pullback = vjp(fn, theta)
@@ -338,8 +338,9 @@ def ggn_vector_product(prob: Problem, v) -> torch.Tensor:
         def gv(u: torch.Tensor) -> torch.Tensor:
             return pullback(_hess_out(prob, f, jvp(fn, (theta,), (u,))[1]))[0]
 
-        out = out + (gv(v) if v.dim() == 1 else vmap(gv)(v))
-    return out / prob.n
+        g = gv(v) if v.dim() == 1 else vmap(gv)(v)
+        out = g if out is None else out.add_(g)  # in place: no extra p-vectors at large p
+    return out.div_(prob.n)
 
 
 def _kernel_vector_product(prob: Problem, w: torch.Tensor) -> torch.Tensor:
