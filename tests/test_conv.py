@@ -4,6 +4,8 @@ whitening in pixel space, and bad input."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -123,3 +125,69 @@ def test_bad_input():
         cv.init_weights(2, 3, 4, scale=-1.0)
     with pytest.raises(ValueError, match="X must not be all zeros"):
         cv.whiten_images(torch.zeros(4, 64, dtype=F64))
+
+
+# ---------------------------------------------------------------------------------------------- pruned residual CNN
+def small_net(seed=0):
+    torch.manual_seed(seed)
+    return cv.ResidualCNN(c=2, blocks=1, d_y=3, image=4)
+
+
+def test_residual_cnn_shapes_and_parameter_count():
+    assert sum(p.numel() for p in cv.ResidualCNN().parameters()) == 2456
+    net = small_net()
+    assert net(torch.randn(5, 16, dtype=F64)).shape == (5, 3)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.2, 0.5, 0.8, 0.95])
+def test_magnitude_masks_keep_the_largest_fraction_per_layer(rate):
+    net = small_net(1)
+    masks = cv.magnitude_masks_net(net, rate)
+    for name, p in net.named_parameters():
+        m = masks[name].bool()
+        assert int(m.sum()) == math.ceil((1 - rate) * p.numel() - 1e-9) >= 1
+        if (~m).any():
+            assert float(p.detach().abs()[m].min()) >= float(p.detach().abs()[~m].max())
+
+
+def test_gram_condition_equals_dense_gn_over_the_kept_weights():
+    net, X = small_net(2), torch.randn(6, 16, dtype=F64, generator=gen(3))
+    masks = cv.magnitude_masks_net(net, 0.5)
+    fn, theta = cv.pruned_model(net, masks, X)
+    assert theta.numel() == sum(int(m.sum()) for m in masks.values())
+    from curvlab import curvature
+    H = curvature.gn_matrix(fn, theta, scale=1 / X.shape[0])
+    dense = curvature.condition_number(H)
+    got = cv.gram_condition(net, masks, X)
+    assert got.rank == dense.rank
+    assert abs(got.kappa / dense.kappa - 1) < 1e-8
+    # the pruned weights are really zero in the model fn evaluates
+    full = dict(net.named_parameters())
+    pruned = {k: (p.detach() * masks[k]) for k, p in full.items()}
+    ref = torch.func.functional_call(net, pruned, (X,)).reshape(-1)
+    torch.testing.assert_close(fn(theta), ref, rtol=0, atol=1e-12)
+
+
+def test_pruning_lowers_layer_sigma_min_and_training_runs():
+    net, X = small_net(4), torch.randn(6, 16, dtype=F64, generator=gen(5))
+    s0 = cv.layer_sigma_min(net, cv.magnitude_masks_net(net, 0.0))
+    s8 = cv.layer_sigma_min(net, cv.magnitude_masks_net(net, 0.8))
+    assert all(s8[k] <= s0[k] + 1e-12 for k in s0)
+    Y = torch.randn(6, 3, dtype=F64, generator=gen(6))
+    tr = cv.train_pruned(net, cv.magnitude_masks_net(net, 0.4), X, Y, lr=0.1, steps=5, every=5)
+    assert list(tr.step) == [0, 5] and tr.loss.iloc[-1] < tr.loss.iloc[0]
+
+
+def test_pruning_bad_input():
+    net = small_net()
+    for rate in (-0.1, 1.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="rate"):
+            cv.magnitude_masks_net(net, rate)
+    masks = cv.magnitude_masks_net(net, 0.5)
+    masks["head.weight"] = torch.zeros_like(masks["head.weight"])
+    with pytest.raises(ValueError, match="all-pruned layer"):
+        cv.gram_condition(net, masks, torch.randn(4, 16, dtype=F64))
+    with pytest.raises(TypeError, match="net must be"):
+        cv.magnitude_masks_net("resnet", 0.5)
+    with pytest.raises(ValueError, match="masks must have one entry"):
+        cv.layer_sigma_min(net, {"stem.weight": masks["stem.weight"]})

@@ -68,6 +68,12 @@ __all__ = [
     "gn_condition",
     "whiten_images",
     "conditioning_frame",
+    "ResidualCNN",
+    "magnitude_masks_net",
+    "pruned_model",
+    "gram_condition",
+    "layer_sigma_min",
+    "train_pruned",
 ]
 
 
@@ -367,3 +373,136 @@ def conditioning_frame(K, V, Sigma_hat=None, image: int = 8, padding: int = 0, *
     for k, v in labels.items():
         frame[k] = v
     return frame
+
+
+# ============================================================================================ pruned residual CNN
+class ResidualCNN(torch.nn.Module):
+    r"""A small nonlinear residual CNN on ``h x h`` images (chapter 31, pruning): a 3x3 stem ``1 -> c``, ``blocks``
+    residual blocks :math:`z\mapsto z+\mathrm{conv}_2(\mathrm{ReLU}(\mathrm{conv}_1(\mathrm{ReLU}(z))))` (3x3, same
+    padding, ``c -> c``), global average pooling and a linear head ``c -> d_y``; no biases, float64. With ``c = 8``
+    and two blocks it has 2,456 parameters. The paper's network is ResNet-20 (about 270,000)."""
+
+    def __init__(self, c: int = 8, blocks: int = 2, d_y: int = 10, image: int = 8):
+        super().__init__()
+        c, blocks = check_int("c", c, min_value=1), check_int("blocks", blocks, min_value=0)
+        d_y, self.image = check_int("d_y", d_y, min_value=1), check_int("image", image, min_value=3)
+        nn = torch.nn
+        self.stem = nn.Conv2d(1, c, 3, padding=1, bias=False)
+        self.convs = nn.ModuleList(nn.Conv2d(c, c, 3, padding=1, bias=False) for _ in range(2 * blocks))
+        self.head = nn.Linear(c, d_y, bias=False)
+        self.to(torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.stem(x.reshape(-1, 1, self.image, self.image))
+        for k in range(0, len(self.convs), 2):
+            z = z + self.convs[k + 1](torch.relu(self.convs[k](torch.relu(z))))
+        return self.head(z.mean(dim=(-2, -1)))
+
+
+def _check_net(net) -> torch.nn.Module:
+    if not isinstance(net, torch.nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module (e.g. conv.ResidualCNN()), got {type(net).__name__}")
+    return net
+
+
+def magnitude_masks_net(net, rate: float) -> dict[str, torch.Tensor]:
+    r"""Layer-wise magnitude pruning at initialisation: in every weight tensor keep the
+    :math:`\lceil(1-\mathrm{rate})\,n_l\rceil` entries of largest magnitude (ties broken by position). Returns
+    ``{name: 0/1 mask}``. ValueError if ``rate`` is not in :math:`[0, 1)` or if a layer would keep nothing."""
+    net = _check_net(net)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or not 0 <= rate < 1:
+        raise ValueError(f"rate must be a pruning fraction in [0, 1), got {rate!r}")
+    masks = {}
+    for name, w in net.named_parameters():
+        keep = math.ceil((1 - rate) * w.numel() - 1e-9)
+        if keep < 1:
+            raise ValueError(f"rate = {rate} would prune every weight of layer {name!r} ({w.numel()} weights): "
+                             "an all-pruned layer cuts the network")
+        idx = w.detach().abs().reshape(-1).argsort(descending=True, stable=True)[:keep]
+        m = torch.zeros(w.numel(), dtype=w.dtype, device=w.device)
+        m[idx] = 1
+        masks[name] = m.reshape(w.shape)
+    return masks
+
+
+def _check_masks(net, masks) -> dict[str, torch.Tensor]:
+    if not isinstance(masks, dict):
+        raise TypeError(f"masks must be a dict {{name: 0/1 tensor}} from magnitude_masks_net, got {type(masks).__name__}")
+    params = dict(net.named_parameters())
+    if set(masks) != set(params):
+        raise ValueError(f"masks must have one entry per parameter of net: {sorted(params)}, got {sorted(masks)}")
+    for k, m in masks.items():
+        if not isinstance(m, torch.Tensor) or m.shape != params[k].shape:
+            raise ValueError(f"masks[{k!r}] must be a tensor of shape {tuple(params[k].shape)}")
+        if not bool(m.any()):
+            raise ValueError(f"masks[{k!r}] prunes the whole layer: an all-pruned layer cuts the network")
+    return masks
+
+
+def pruned_model(net, masks, X):
+    r"""``(fn, theta)`` over the *kept* weights only: ``fn(theta)`` scatters ``theta`` into the pruned weights and
+    returns the ``n d_y`` outputs of ``net`` on ``X`` (``torch.func.functional_call``)."""
+    net = _check_net(net)
+    masks = _check_masks(net, masks)
+    X = config.spectral(check_matrix("X", X))
+    params = {k: p.detach() for k, p in net.named_parameters()}
+    idx = {k: masks[k].reshape(-1).nonzero().squeeze(-1) for k in params}
+    theta = torch.cat([params[k].reshape(-1)[idx[k]] for k in params])
+    sizes = [idx[k].numel() for k in params]
+
+    def fn(th: torch.Tensor) -> torch.Tensor:
+        out = {}
+        for (k, p), t in zip(params.items(), th.split(sizes)):
+            out[k] = torch.zeros(p.numel(), dtype=th.dtype, device=th.device).index_put((idx[k],), t).reshape(p.shape)
+        return torch.func.functional_call(net, out, (X,)).reshape(-1)
+
+    return fn, theta
+
+
+def gram_condition(net, masks, X):
+    r""":math:`\kappa(\GN)` over the nonzero spectrum, through the ``n d_y x n d_y`` Jacobian Gram
+    :math:`JJ^\top/n` (same nonzero eigenvalues as :math:`J^\top J/n`) at the numerical rank, with the gap at the
+    cut (:func:`curvlab.curvature.condition_number`). ``J`` is over the kept weights."""
+    from .curvature import condition_number, jacobian
+
+    fn, theta = pruned_model(net, masks, X)
+    J = jacobian(fn, theta)
+    return condition_number(J @ J.T / X.shape[0])
+
+
+def layer_sigma_min(net, masks) -> dict[str, float]:
+    r"""Smallest singular value of each pruned layer as a matrix: a convolution's weight ``(c_out, c_in, s, s)``
+    as ``c_out x c_in s^2`` (its action on one patch), the head as itself — the quantity the paper's explanation of
+    pruning rests on."""
+    net = _check_net(net)
+    masks = _check_masks(net, masks)
+    out = {}
+    for k, p in net.named_parameters():
+        M = (p.detach() * masks[k]).reshape(p.shape[0], -1)
+        out[k] = float(torch.linalg.svdvals(config.spectral(M))[-1])
+    return out
+
+
+def train_pruned(net, masks, X, Y, *, lr: float, steps: int, every: int) -> pd.DataFrame:
+    r"""Full-batch gradient descent on :math:`\frac1{2n}\lVert f(X)-Y\rVert^2` over the kept weights (the pruned ones
+    stay at zero); returns a frame with ``step``, ``loss`` and ``kappa`` (:func:`gram_condition`), ``rank``, ``gap``
+    at every ``every`` steps and at the end. ``net`` is not modified."""
+    fn, theta = pruned_model(net, masks, X)
+    Y = config.spectral(check_matrix("Y", Y))
+    if Y.shape[0] != X.shape[0]:
+        raise ValueError(f"Y must have n = {X.shape[0]} rows, got {tuple(Y.shape)}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr must be a finite positive step, got {lr!r}")
+    steps, every = check_int("steps", steps, min_value=0), check_int("every", every, min_value=1)
+    from .curvature import condition_number, jacobian
+
+    y, n, rows = Y.reshape(-1), X.shape[0], []
+    loss_fn = lambda th: (fn(th) - y).square().sum() / (2 * n)  # noqa: E731
+    for t in range(steps + 1):
+        if t % every == 0 or t == steps:
+            J = jacobian(fn, theta)
+            c = condition_number(J @ J.T / n)
+            rows.append({"step": t, "loss": float(loss_fn(theta)), "kappa": c.kappa, "rank": c.rank, "gap": c.gap})
+        if t < steps:
+            theta = theta - lr * torch.func.grad(loss_fn)(theta)
+    return pd.DataFrame(rows)
