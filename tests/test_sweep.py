@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import importlib.util
 import sys
 import threading
@@ -447,6 +449,7 @@ def test_paper_run_section_reads_computes_and_reports_partial_grids(tmp_path, mo
     from curvlab import paper_runs
 
     monkeypatch.setenv("CURVLAB_PROFILE", "quick")
+    monkeypatch.setattr(paper_runs, "FRAMES_DIR", tmp_path / "no-committed-frames")
     slow = _tiny("ch21_regimes")
     cheap = _tiny("ch30_mp_limit")
     monkeypatch.setitem(paper_runs.REGISTRY, "ch21_regimes", slow)
@@ -475,6 +478,53 @@ def test_paper_run_section_reads_computes_and_reports_partial_grids(tmp_path, mo
     assert sec.done == 1                                         # the same tiny grid in every profile: 1 cached
     with pytest.raises(ValueError, match="registered paper runs"):
         paper_runs.section("ch99", cache_dir=tmp_path)
+
+
+def test_committed_frames_round_trip_and_stand_in_for_the_cache(tmp_path, monkeypatch, capsys):
+    """`export` writes a complete grid with its provenance; `committed` reads it back (lists intact); every
+    profile's section then shows the committed paper-profile frame, and says when the code has changed since."""
+    from curvlab import paper_runs
+
+    frames = tmp_path / "frames"
+    monkeypatch.setattr(paper_runs, "FRAMES_DIR", frames)
+    monkeypatch.setitem(paper_runs.REGISTRY, "ch31_depth_law", _tiny("ch31_depth_law"))
+    cache = tmp_path / "cache"
+    assert paper_runs.committed("ch31_depth_law") is None
+    with pytest.raises(sw.MissingCells, match="make sweeps PROFILE=paper ONLY=ch31_depth_law"):
+        paper_runs.export("ch31_depth_law", "paper", cache_dir=cache)          # nothing run: nothing to commit
+    frame = paper_runs.run("ch31_depth_law", "paper", cache_dir=cache, progress=False)
+    csv, meta = paper_runs.export("ch31_depth_law", "paper", cache_dir=cache)
+    assert csv.parent == frames and csv.name == "ch31_depth_law.paper.csv" and meta.is_file()
+    got = paper_runs.committed("ch31_depth_law")
+    assert list(got.frame["depths"].iloc[0]) == [32, 40]                        # the list column survives
+    np.testing.assert_array_equal(got.frame["log_kappa"].to_numpy(), frame["log_kappa"].to_numpy())
+    prov = got.provenance
+    assert prov["cells"] == 1 and prov["rows"] == len(frame) and prov["wall_s"] > 0 and prov["devices"] == ["cpu"]
+    assert prov["revisions"] and prov["command"] == "make sweeps PROFILE=paper ONLY=ch31_depth_law"
+    for prof in ("quick", "standard"):                                         # an empty cache in every profile
+        monkeypatch.setenv("CURVLAB_PROFILE", prof)
+        sec = paper_runs.section("ch31_depth_law", cache_dir=tmp_path / "empty")
+        out = " ".join(capsys.readouterr().out.split())
+        assert "committed paper-profile frame" in out and "(the current code's)" in out
+        assert sec.figure is not None and "Committed paper-profile frame" in sec.figure.caption
+        assert sec.done == sec.total == 1 and len(sec.frame) == len(frame)
+    stale = json.loads(meta.read_text())
+    stale["code_hash"] = "0" * 64
+    meta.write_text(json.dumps(stale))
+    paper_runs.section("ch31_depth_law", cache_dir=tmp_path / "empty")
+    assert "predates a change" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(ValueError, match="profile must be one of"):
+        paper_runs.export("ch31_depth_law", "huge", cache_dir=cache)
+
+
+def test_section_without_a_committed_paper_frame_estimates_device_hours(tmp_path, monkeypatch, capsys):
+    from curvlab import paper_runs
+
+    monkeypatch.setattr(paper_runs, "FRAMES_DIR", tmp_path / "none")
+    monkeypatch.setenv("CURVLAB_PROFILE", "standard")
+    paper_runs.section("ch21_regimes", cache_dir=tmp_path)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "is not committed" in out and "device-hours at an assumed 1e+13 flop/s" in out and "not a measurement" in out
 
 
 def test_hidden_learning_summary_bands_span_the_seeds_of_the_best_step():

@@ -4,6 +4,10 @@
     make sweeps PROFILE=quick ONLY=ch20_gn_flows    # one grid, reduced sizes
     python tools/run_sweeps.py --list               # the registry: cells and cost model per grid
     python tools/run_sweeps.py --profile paper --estimate --flops-per-s 1e13
+    python tools/run_sweeps.py --profile paper --only ch30_mp_limit --export   # run, then commit the frame
+
+``--export`` writes each complete grid's tidy frame and provenance to ``lib/curvlab/paper_frames/`` (package data:
+a ``pip install`` carries them), which the chapters' "At paper scale" sections show in every profile.
 
 Cells already in the cache are read, not recomputed, so an interrupted run resumes where it stopped. The backend
 follows ``CURVLAB_SWEEP_BACKEND`` (``dask`` with ``CURVLAB_DASK_SCHEDULER``, ``ray`` with ``RAY_ADDRESS``) or
@@ -35,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the registry and exit")
     parser.add_argument("--estimate", action="store_true", help="print the cost model's table and exit")
     parser.add_argument("--flops-per-s", type=float, default=None, help="throughput for --estimate's hours")
+    parser.add_argument("--export", action="store_true",
+                        help="write each complete grid to lib/curvlab/paper_frames/ (the committed frames every "
+                             "profile's book shows in its 'At paper scale' section)")
     args = parser.parse_args(argv)
     os.environ["CURVLAB_PROFILE"] = args.profile  # the cells' device and sizes follow the profile
 
@@ -87,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["grids"].append(entry)
         print(f"   done: {entry['cells']} cells, {entry['cell_seconds_total']:.1f} s of cell time "
               f"(sum over cells, from provenance), {elapsed:.1f} s wall now, devices {entry['devices']}", flush=True)
+        if args.export:
+            csv, meta = paper_runs.export(name, args.profile, cache_dir=args.cache_dir)
+            print(f"   exported to {csv} and {meta.name}", flush=True)
     root = sweep._resolve_cache_dir(args.cache_dir)
     out = root / "_reports" / f"paper_runs-{args.profile}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

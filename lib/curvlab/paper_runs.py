@@ -28,6 +28,7 @@ import os
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pandas as pd
@@ -35,11 +36,17 @@ import torch
 
 from . import config, sweep as _sweep
 
-__all__ = ["PaperRun", "Loaded", "Section", "REGISTRY", "names", "get", "load", "run", "section", "estimate",
-           "command"]
+__all__ = ["PaperRun", "Loaded", "Section", "Committed", "REGISTRY", "names", "get", "load", "run", "section",
+           "estimate", "command", "export", "committed", "GPU_FLOPS_PER_S"]
 
 _PROFILES = ("quick", "standard", "paper")
 _COMMON = ("paper_runs", "config", "_validate", "sweep")
+#: The folder of committed frames, package data of ``curvlab`` (so a ``pip install`` of the library, in Colab too,
+#: carries them), written from the sweep cache by ``tools/run_sweeps.py --export``.
+FRAMES_DIR = Path(__file__).resolve().parent / "paper_frames"
+#: The sustained rate that turns a grid's flop upper bound into *estimated* device-hours when no paper-profile
+#: frame is committed, 1e13 flop/s (about a third of an H100/H200's float64 peak; an assumption, printed as such).
+GPU_FLOPS_PER_S = 1e13
 
 
 # =============================================================================================== the registry
@@ -515,6 +522,72 @@ def load(name: str, profile: str | None = None, *, cache_dir: str | os.PathLike 
     return Loaded(frame, info[mine].reset_index(drop=True), command(name, prof))
 
 
+class Committed(NamedTuple):
+    """A committed frame (:func:`committed`): the tidy ``frame`` and its ``provenance`` (a dict: profile, cells,
+    code hash, revisions, devices, torch, hosts, wall time, timestamps, the regenerating command)."""
+
+    frame: pd.DataFrame
+    provenance: dict
+
+
+def _frame_paths(name: str, profile: str, folder: Path | None = None) -> tuple[Path, Path]:
+    folder = FRAMES_DIR if folder is None else Path(folder)
+    return folder / f"{name}.{profile}.csv", folder / f"{name}.{profile}.json"
+
+
+def _code_hash_of(r: PaperRun) -> str:
+    return _sweep._code_hash(r.fn, r.cache_name(), None, (*_COMMON, *r.modules))
+
+
+def export(name: str, profile: str = "paper", *, cache_dir: str | os.PathLike | None = None,
+           folder: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """Write ``name``'s complete frame in ``profile`` from the sweep cache to the committed frames
+    (``<folder>/<name>.<profile>.csv`` and ``.json``, default :data:`FRAMES_DIR`), with its provenance.
+
+    Raises :class:`curvlab.sweep.MissingCells` (naming the command) when the grid is not complete in the cache: a
+    committed frame is always a whole grid. List-valued columns (a configuration's list of depths, say) are
+    written as JSON text and read back as lists by :func:`committed`.
+    """
+    r = get(name)
+    if profile not in _PROFILES:
+        raise ValueError(f"profile must be one of {_PROFILES}, got {profile!r}")
+    loaded = load(name, profile, cache_dir=cache_dir)
+    frame = loaded.frame.drop(columns=[c for c in ("_cached",) if c in loaded.frame.columns]).copy()
+    for col in frame.columns:
+        if frame[col].map(lambda v: isinstance(v, (list, tuple, dict))).any():
+            frame[col] = frame[col].map(lambda v: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v)
+    info = loaded.provenance
+    text = lambda col: sorted({str(v) for v in info[col].dropna()}) if col in info else []  # noqa: E731
+    prov = {
+        "name": name, "chapter": r.chapter, "title": r.title, "profile": profile,
+        "cells": int(len(info)), "rows": int(len(frame)), "code_hash": _code_hash_of(r),
+        "config_keys": sorted(str(k) for k in info["key"]) if "key" in info else [],
+        "revisions": text("revision"), "devices": text("device"), "torch": text("torch"), "hosts": text("host"),
+        "wall_s": float(info["wall_s"].sum()) if "wall_s" in info and len(info) else float("nan"),
+        "timestamps": [min(text("timestamp"), default=""), max(text("timestamp"), default="")],
+        "command": command(name, profile),
+    }
+    out = Path(FRAMES_DIR if folder is None else folder)
+    out.mkdir(parents=True, exist_ok=True)
+    csv, meta = _frame_paths(name, profile, out)
+    frame.to_csv(csv, index=False, float_format="%.17g")
+    meta.write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
+    return csv, meta
+
+
+def committed(name: str, profile: str = "paper", *, folder: str | os.PathLike | None = None) -> Committed | None:
+    """The committed frame of ``name`` in ``profile`` with its provenance, or ``None`` when none is committed."""
+    get(name)
+    csv, meta = _frame_paths(name, profile, None if folder is None else Path(folder))
+    if not (csv.is_file() and meta.is_file()):
+        return None
+    frame = pd.read_csv(csv)
+    for col in frame.columns:
+        if not pd.api.types.is_numeric_dtype(frame[col]) and frame[col].astype(str).str.match(r"^[\[{]").all():
+            frame[col] = frame[col].map(json.loads)
+    return Committed(frame, json.loads(meta.read_text()))
+
+
 class Section(NamedTuple):
     """What :func:`section` returns: the (possibly partial) ``frame``, its ``provenance``, the regenerating
     ``command``, the cells ``done`` out of ``total`` and the summary ``figure`` (``None`` without data)."""
@@ -567,8 +640,37 @@ def section(name: str, profile: str | None = None, *, cache_dir: str | os.PathLi
     if len(info):
         mine = info["config"].map(lambda s: _sweep._config_json("config", json.loads(s)) in keys)
         info = info[mine & (info["code_hash"] == code)].reset_index(drop=True)
-    where = "computed in the book (a cheap grid)" if computed else "read from the sweep cache"
     say = lambda text: print(textwrap.fill(text, width=100, subsequent_indent="    "))  # noqa: E731
+    # Outside a complete paper-profile cache, the committed frame of the largest profile is what a reader sees.
+    use = None
+    if not (prof == "paper" and done == len(configs)):
+        for p in ("paper", "standard"):  # a committed standard frame stands in only for missing cells
+            if p == "standard" and (prof == "paper" or done == len(configs)):
+                continue
+            if (c := committed(name, p)) is not None:
+                use = (p, c)
+                break
+    if use is not None:
+        p, c = use
+        prov = c.provenance
+        fresh = prov.get("code_hash") == code
+        say(f"{name} ({r.title}): the committed {p}-profile frame, {prov['cells']} cells "
+            f"(curvlab/paper_frames/{name}.{p}.csv); this build's profile is {prof}.")
+        say(f"  provenance: {prov['wall_s']:.1f} s of compute in all, device {', '.join(prov['devices'])}, "
+            f"revision {', '.join(prov['revisions'])}, torch {', '.join(prov['torch'])}, "
+            f"run {prov['timestamps'][0][:10]}; code hash {prov['code_hash'][:12]}"
+            + (" (the current code's)." if fresh else
+               f" — the current code's is {code[:12]}: the frame predates a change to the grid's code; rerun "
+                                                   f"`{prov['command']}` and `python tools/run_sweeps.py --export`."))
+        say(f"  regenerate with: {prov['command']}")
+        _gpu_note(r, say)
+        fig = None
+        if r.summary is not None:
+            figure, alt, caption = r.summary(c.frame)
+            caption += f" Committed {p}-profile frame ({prov['cells']} cells, {', '.join(prov['devices'])})."
+            fig = plotting.show(figure, alt=alt, caption=caption)
+        return Section(c.frame, pd.DataFrame([prov]), prov["command"], prov["cells"], prov["cells"], fig)
+    where = "computed in the book (a cheap grid)" if computed else "read from the sweep cache"
     say(f"{name} ({r.title}), profile {prof}: {done}/{len(configs)} cells, {where}.")
     say(f"  regenerate with: {cmd}")
     if len(info):
@@ -579,6 +681,8 @@ def section(name: str, profile: str | None = None, *, cache_dir: str | os.PathLi
     if done < len(configs):
         say(f"  {len(configs) - done} cells are not in the cache: run the command above (outside the book build) "
             "to fill them" + ("; the figure shows the cells present." if done else "."))
+    if prof != "paper" or done < len(configs):
+        _gpu_note(r, say)
     fig = None
     if done and r.summary is not None:
         figure, alt, caption = r.summary(frame)
@@ -586,6 +690,19 @@ def section(name: str, profile: str | None = None, *, cache_dir: str | os.PathLi
             caption += f" Partial: {done} of {len(configs)} cells."
         fig = plotting.show(figure, alt=alt, caption=caption)
     return Section(frame, info, cmd, done, len(configs), fig)
+
+
+def _gpu_note(r: PaperRun, say: Callable[[str], None]) -> None:
+    """Say whether the paper-profile grid is committed, and if not what it would cost (an estimate)."""
+    if committed(r.name, "paper") is not None:
+        return
+    cfgs = r.configs("paper")
+    flops = float(sum(r.flops(**c) for c in cfgs))
+    hours = flops / GPU_FLOPS_PER_S / 3600
+    say(f"  The paper-profile grid ({len(cfgs)} cells) is not committed: it needs at most {flops:.2g} flop, "
+        f"about {hours:.2g} device-hours at an assumed {GPU_FLOPS_PER_S:.0e} flop/s (an extrapolation of the cost "
+        "model, every run to its iteration cap; not a measurement)"
+        + (f"; data: {'; '.join(r.data)}" if r.data else "") + ".")
 
 
 def estimate(profile: str = "paper", *, flops_per_s: float | None = None) -> pd.DataFrame:
