@@ -556,6 +556,11 @@ def export(name: str, profile: str = "paper", *, cache_dir: str | os.PathLike | 
     for col in frame.columns:
         if frame[col].map(lambda v: isinstance(v, (list, tuple, dict))).any():
             frame[col] = frame[col].map(lambda v: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v)
+    # a column with one value in every row (a configuration's list of depths, say) is stored once, in the JSON
+    constant = {c: frame[c].iloc[0] for c in frame.columns
+                if len(frame) and frame[c].nunique(dropna=False) == 1 and not c.startswith("_")}
+    constant = {c: (v.item() if hasattr(v, "item") else v) for c, v in constant.items()}
+    frame = frame.drop(columns=list(constant))
     info = loaded.provenance
     text = lambda col: sorted({str(v) for v in info[col].dropna()}) if col in info else []  # noqa: E731
     prov = {
@@ -566,11 +571,12 @@ def export(name: str, profile: str = "paper", *, cache_dir: str | os.PathLike | 
         "wall_s": float(info["wall_s"].sum()) if "wall_s" in info and len(info) else float("nan"),
         "timestamps": [min(text("timestamp"), default=""), max(text("timestamp"), default="")],
         "command": command(name, profile),
+        "constant_columns": constant,
     }
     out = Path(FRAMES_DIR if folder is None else folder)
     out.mkdir(parents=True, exist_ok=True)
     csv, meta = _frame_paths(name, profile, out)
-    frame.to_csv(csv, index=False, float_format="%.17g")
+    frame.to_csv(csv, index=False, float_format="%.9g")  # nine digits: a figure's precision, a tenth of the bytes
     meta.write_text(json.dumps(prov, indent=1, sort_keys=True) + "\n")
     return csv, meta
 
@@ -582,10 +588,13 @@ def committed(name: str, profile: str = "paper", *, folder: str | os.PathLike | 
     if not (csv.is_file() and meta.is_file()):
         return None
     frame = pd.read_csv(csv)
+    prov = json.loads(meta.read_text())
+    for col, value in prov.get("constant_columns", {}).items():
+        frame[col] = [value] * len(frame)
     for col in frame.columns:
         if not pd.api.types.is_numeric_dtype(frame[col]) and frame[col].astype(str).str.match(r"^[\[{]").all():
             frame[col] = frame[col].map(json.loads)
-    return Committed(frame, json.loads(meta.read_text()))
+    return Committed(frame, prov)
 
 
 class Section(NamedTuple):
