@@ -365,31 +365,35 @@ def write_model_report(summaries: list, ceilings: dict, results_dir: Path | None
     return path
 
 
-def main(quick: bool = False) -> list:
+def main(quick: bool = False, widths: list[int] | None = None) -> list:
     """Run the comparisons; return the ratio tables and the model summaries.
 
     ``quick``: m = 500 only (all three routes), 2 repeats — about a minute on two cores. Full: the authors' route
     at every width that fits in memory (3 repeats), and m = 2000 and 5000 against the chunked route (the dense
     routes take seconds to tens of seconds per call there).
+    ``widths``: only the comparison with the authors' route at these widths (no chunked-route tables, no scaling
+    curve), for a rerun of the contested ratios in a limited time.
     """
     tables, summaries, ceilings = [], [], {}
+    only = widths is not None
     for dtype in (torch.float64, torch.float32):
         tag = str(dtype).replace("torch.", "")
         ceilings[tag] = machine_ceilings(N, dtype)
-        widths = [500] if quick else [500, 2000, 5000]
+        ws = widths if only else ([500] if quick else [500, 2000, 5000])
         t1 = _run(f"meanfield_gn_step_vs_authors_{tag}",
                   {"authors_gn": authors_gn_route, "structured": structured, "chunked_dense": chunked_dense},
-                  [{"n": N, "d": D, "m": w} for w in widths], dtype, "authors_gn", 2 if quick else 3)
+                  [{"n": N, "d": D, "m": w} for w in ws], dtype, "authors_gn", 2 if quick else 3)
         summaries.append(summarise(t1, "authors_gn", ceilings[tag]))
         tables += [t1, summaries[-1]]
-        if not quick:
+        if not quick and not only:
             t2 = _run(f"meanfield_gn_step_vs_chunked_{tag}",
                       {"chunked_dense": chunked_dense, "structured": structured},
                       [{"n": N, "d": D, "m": w} for w in (2000, 5000)], dtype, "chunked_dense", 3)
             summaries.append(summarise(t2, "chunked_dense", ceilings[tag]))
             tables += [t2, summaries[-1]]
     write_model_report(summaries, ceilings)
-    tables.append(scaling_curve(quick))
+    if not only:
+        tables.append(scaling_curve(quick))
     return tables
 
 
@@ -431,10 +435,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="width 500 only, fewer repeats")
     parser.add_argument("--faults", action="store_true", help="only the page-fault profile of each route (m = 500)")
+    parser.add_argument("--widths", default=None,
+                        help="comma-separated widths: only the comparison with the authors' route there (e.g. 500,2000)")
     pd.set_option("display.width", 200)
     args = parser.parse_args()
     if args.faults:
         print(fault_profile().to_string(index=False, float_format="{:.4g}".format))
     else:
-        for table in main(args.quick):
+        widths = [int(w) for w in args.widths.split(",")] if args.widths else None
+        for table in main(args.quick, widths):
             print(table.to_string(index=False, float_format="{:.4g}".format))
