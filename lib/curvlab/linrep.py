@@ -54,6 +54,7 @@ from . import config, linalg
 from ._validate import (
     as_tensor,
     check_choice,
+    check_matrix,
     check_finite,
     check_int,
     check_nonnegative,
@@ -1447,13 +1448,18 @@ def canonical_direction(Sigma, Gstar) -> tuple[torch.Tensor, torch.Tensor, torch
     canonical weight :math:`w`, and the top canonical correlation :math:`\rho\le(\kappa(\Sigma)-1)/(\kappa(\Sigma)+1)`
     (Wielandt), so that :math:`v^\top Bu>0` for the population coupling :math:`B` (:func:`kfac_coupling` at
     :math:`Z = 0`)."""
-    Sigma = check_finite("Sigma", as_tensor("Sigma", Sigma, dtype=torch.float64))
-    Gstar = check_finite("Gstar", as_tensor("Gstar", Gstar, dtype=torch.float64))
+    Sigma = check_psd("Sigma", Sigma, strict=True, dtype=torch.float64)
+    Gstar = check_matrix("Gstar", Gstar, batch=True, dtype=torch.float64)
     k, d = Gstar.shape[-2:]
     if Sigma.shape[-2:] != (d, d):
         raise ValueError(f"Sigma must be ({d}, {d}) for Gstar of shape {tuple(Gstar.shape)}, got {tuple(Sigma.shape)}")
-    if k == d:
-        raise ValueError("Gstar must have k < d rows (rowsp(Gstar)^perp is empty otherwise)")
+    if k >= d:
+        raise ValueError(f"Gstar must have k < d rows (rowsp(Gstar)^perp is empty otherwise), got shape {tuple(Gstar.shape)}")
+    gram = Gstar @ Gstar.transpose(-2, -1)
+    eye = torch.eye(k, dtype=gram.dtype)
+    if not torch.allclose(gram, eye.expand_as(gram), atol=1e-8 * max(k, 1)):
+        raise ValueError("Gstar must have orthonormal rows (Gstar Gstar^T = I_k), as the book's G_star does; "
+                         f"max |Gstar Gstar^T - I| = {float((gram - eye).abs().max()):.3g}")
     _, U = schur_complement(Gstar, Sigma)                            # (..., d - k, d), orthonormal rows
     def inv_sqrt(A):
         e, V = torch.linalg.eigh(A)
