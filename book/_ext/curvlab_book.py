@@ -93,7 +93,16 @@ INVENTORIES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
             ("torch.device", "py:class", "tensor_attributes.html#torch.device"),
             ("torch.Generator", "py:class", "generated/torch.Generator.html"),
             ("torch.nn.Module", "py:class", "generated/torch.nn.Module.html"),
+            ("torch.nn.modules.module.Module", "py:class", "generated/torch.nn.Module.html"),
             ("torch.optim.Optimizer", "py:class", "optim.html#torch.optim.Optimizer"),
+        ],
+    ),
+    "scipy": (
+        "https://docs.scipy.org/doc/scipy/",
+        [
+            ("scipy.sparse.linalg.eigsh", "py:function", "reference/generated/scipy.sparse.linalg.eigsh.html"),
+            ("scipy.sparse.linalg.LinearOperator", "py:class",
+             "reference/generated/scipy.sparse.linalg.LinearOperator.html"),
         ],
     ),
     "numpy": (

@@ -393,6 +393,7 @@ class ResidualCNN(torch.nn.Module):
         self.to(torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(n, d_y)`` of images ``x`` (``(n, h * h)`` or ``(n, 1, h, h)``): stem, residual blocks, head."""
         z = self.stem(x.reshape(-1, 1, self.image, self.image))
         for k in range(0, len(self.convs), 2):
             z = z + self.convs[k + 1](torch.relu(self.convs[k](torch.relu(z))))
