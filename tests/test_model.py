@@ -113,6 +113,25 @@ def test_lanczos_matches_dense_on_the_kernel_and_on_parameters(loss):
         assert lanc.lambda_max == pytest.approx(dense.lambda_max, rel=1e-9)
 
 
+
+def test_products_leave_parameters_and_vectors_alone_and_take_any_strides():
+    # the products differentiate with respect to views of the module's own parameters and of v (no flat copies):
+    # nothing may be written into them, and a non-contiguous batch of vectors gives the same products
+    net, X, T = _case("cnn", "cross_entropy")
+    prob = cm.problem(net, X, T, "cross_entropy", chunk_size=3)
+    G = _dense_reference(prob, X, T)[0]
+    th = prob.theta()
+    V = torch.randn(prob.p, 3, dtype=torch.float64).T  # (3, p), not contiguous
+    V0 = V.clone()
+    got = cm.ggn_vector_product(prob, V)
+    assert got.is_contiguous() and torch.equal(V, V0) and torch.equal(prob.theta(), th)
+    assert torch.allclose(got, V @ G, atol=1e-12 * float(G.abs().max()), rtol=0)
+    w = torch.randn(N * 3, dtype=torch.float64)  # the kernel product, accumulated over four chunks
+    assert torch.allclose(cm._kernel_vector_product(prob, w), cm.kernel_matrix(prob) @ w,
+                          atol=1e-12 * float(G.abs().max()) * N, rtol=0)
+    assert torch.equal(prob.theta(), th)
+
+
 def test_dataloader_equals_tensor_and_checks_batches():
     net, X, T = _case("mlp", "mse")
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, T), batch_size=3)

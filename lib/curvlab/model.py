@@ -136,6 +136,29 @@ class Problem:
 
         return fn
 
+    def _params(self) -> tuple:
+        """The trainable parameters as a tuple of detached tensors sharing the module's storage (no copy)."""
+        params = dict(self.model.named_parameters())
+        return tuple(params[k].detach() for k in self.names)
+
+    def _params_fn(self, X: torch.Tensor):
+        """``(*params) -> f(X)``: the module as a function of its parameter tensors (the products' primals: unlike
+        ``forward_fn``, no flat ``(p,)`` copy of theta is made)."""
+        fixed = self._fixed()
+
+        def fn(*params: torch.Tensor) -> torch.Tensor:
+            with _no_running_stats(self.model):
+                return functional_call(self.model, {**dict(zip(self.names, params)), **fixed}, (X,))
+
+        return fn
+
+    def _split(self, v: torch.Tensor, *, views: bool = False) -> tuple:
+        """``v`` ``(..., p)`` as a tuple of per-parameter tensors ``(..., *shape)``; ``views=True`` guarantees views
+        (writing into them writes into ``v``; always possible for a contiguous ``v``) or raises."""
+        lead = v.shape[:-1]
+        return tuple(t.view(*lead, *s) if views else t.reshape(*lead, *s)
+                     for t, s in zip(v.split(self.sizes, dim=-1), self.shapes))
+
 
 class _no_running_stats:
     """Train-mode batch norms use the batch statistics without updating running ones (restored on exit)."""
@@ -329,34 +352,47 @@ def ggn_vector_product(prob: Problem, v) -> torch.Tensor:
     """
     prob = _check_problem(prob)
     v = _as_vectors(prob, v, prob.p)
-    theta = prob.theta()
-    out = None
+    # Primals and tangents are per-parameter tensors (views of the module's parameters and of v): no flat copy of
+    # theta, and the result is written parameter by parameter into one output, each gradient freed once added, so
+    # the peak holds about two p-vectors besides v (the output and one chunk's gradients) and the activations.
+    params, tangents = prob._params(), prob._split(v)
+    out = views = None
     for X, _ in prob.chunks:
-        fn = prob.forward_fn(X)
-        f, pullback = vjp(fn, theta)
+        fn = prob._params_fn(X)
+        f, pullback = vjp(fn, *params)
 
-        def gv(u: torch.Tensor) -> torch.Tensor:
-            return pullback(_hess_out(prob, f, jvp(fn, (theta,), (u,))[1]))[0]
+        def gv(*u: torch.Tensor) -> tuple:
+            return pullback(_hess_out(prob, f, jvp(fn, params, u)[1]))
 
-        g = gv(v) if v.dim() == 1 else vmap(gv)(v)
-        out = g if out is None else out.add_(g)  # in place: no extra p-vectors at large p
+        grads = list(gv(*tangents) if v.dim() == 1 else vmap(gv)(*tangents))
+        if out is None:  # allocated only now: it is not alive during the JVP's transients
+            out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # contiguous, whatever v's strides
+            views = prob._split(out, views=True)
+        for i, view in enumerate(views):
+            view.add_(grads[i])
+            grads[i] = None
+        del grads
     return out.div_(prob.n)
 
 
 def _kernel_vector_product(prob: Problem, w: torch.Tensor) -> torch.Tensor:
-    r""":math:`Kw = \tilde J(\tilde J^\top w)`, ``w`` of shape ``(n c,)``, sample-major (for Lanczos on :math:`K`)."""
-    theta = prob.theta()
-    Jtw = torch.zeros(prob.p, dtype=prob.dtype, device=prob.device)
+    r""":math:`Kw = \tilde J(\tilde J^\top w)`, ``w`` of shape ``(n c,)``, sample-major (for Lanczos on :math:`K`).
+    One VJP per chunk accumulates :math:`\tilde J^\top w` per parameter tensor; one JVP per chunk maps it back."""
+    params = prob._params()
+    Jtw = None
     start, saved = 0, []
     for X, _ in prob.chunks:
-        fn = prob.forward_fn(X)
-        f, pullback = vjp(fn, theta)
+        fn = prob._params_fn(X)
+        f, pullback = vjp(fn, *params)
         S = _sqrt_hess(prob, f)
         wb = w[start:start + f.numel()].reshape(f.shape)
-        Jtw = Jtw + pullback(torch.einsum("bij,bj->bi", S, wb))[0]
+        g = pullback(torch.einsum("bij,bj->bi", S, wb))
+        Jtw = list(g) if Jtw is None else [a.add_(b) for a, b in zip(Jtw, g)]
+        del g, pullback
         saved.append((fn, S))
         start += f.numel()
-    outs = [torch.einsum("bij,bi->bj", S, jvp(fn, (theta,), (Jtw,))[1]).reshape(-1) for fn, S in saved]
+    Jtw = tuple(Jtw)
+    outs = [torch.einsum("bij,bi->bj", S, jvp(fn, params, Jtw)[1]).reshape(-1) for fn, S in saved]
     return torch.cat(outs)
 
 
