@@ -132,6 +132,23 @@ def test_products_leave_parameters_and_vectors_alone_and_take_any_strides():
     assert torch.equal(prob.theta(), th)
 
 
+def test_auto_never_forms_a_jacobian_larger_than_dense_max_entries(monkeypatch):
+    # at p ~ 1e6 the dense route's J~ (nc x p) would not fit, although the kernel (nc x nc) is small: auto must
+    # then take Lanczos, which never forms J~ (the foil: with the default budget the dense route forms it)
+    net, X, T = _case("mlp", "mse")
+    prob = cm.problem(net, X, T, "mse", chunk_size=4)
+    dense = cm.condition(prob, method="dense")
+    formed = []
+    real = cm.jacobian
+    monkeypatch.setattr(cm, "jacobian", lambda pr: formed.append(pr) or real(pr))
+    lanc = cm.condition(prob, dense_max_entries=N * 3 * prob.p - 1, k=4, tol=1e-12)
+    assert not formed
+    assert lanc.rank == dense.rank and lanc.kappa == pytest.approx(dense.kappa, rel=1e-7)
+    cm.condition(prob)  # default budget: dense, J~ formed
+    assert formed
+    with pytest.raises(ValueError, match="dense_max_entries"):
+        cm.condition(prob, dense_max_entries=0)
+
 def test_dataloader_equals_tensor_and_checks_batches():
     net, X, T = _case("mlp", "mse")
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, T), batch_size=3)

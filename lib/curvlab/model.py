@@ -37,7 +37,8 @@ eval mode: a random function has no Gauss–Newton matrix to compute.
 
 **Routes.** Products (:func:`ggn_vector_product`) use one JVP and one VJP per data chunk and never form
 :math:`J`; :func:`ggn_matrix` and :func:`kernel_matrix` form :math:`\tilde J` (``nc x p``, memory :math:`O(ncp)`);
-:func:`condition` uses a dense ``eigvalsh`` when :math:`\min(p, nc)` is at most ``dense_max`` and otherwise Lanczos
+:func:`condition` uses a dense ``eigvalsh`` when :math:`\min(p, nc)` is at most ``dense_max`` (and
+:math:`\tilde J` fits in ``dense_max_entries``) and otherwise Lanczos
 (:func:`scipy.sparse.linalg.eigsh` on a :class:`scipy.sparse.linalg.LinearOperator`) on the smaller of
 :math:`H_{\mathrm{GN}}` and :math:`K/n`. :func:`kfac_factors` gives K-FAC's exact (type-2) Kronecker factors of every
 ``nn.Linear`` and ``nn.Conv2d`` (expand convention); :func:`kfac_block_errors` the relative Frobenius distance between
@@ -486,7 +487,8 @@ def _scipy_operator(matvec, size: int, prob: Problem):
 
 
 def condition(prob: Problem, *, rank: int | None = None, rtol: float | None = None, method: str = "auto",
-              dense_max: int = 3000, k: int = 6, tol: float = 1e-8) -> ConditionNumber:
+              dense_max: int = 3000, dense_max_entries: int = 2**27, k: int = 6,
+              tol: float = 1e-8) -> ConditionNumber:
     r""":math:`\kappa = \lambda_{\max}/\lambda_r` of :math:`H_{\mathrm{GN}}` over its nonzero spectrum, with the rank cut
     :math:`r` and the gap :math:`\lambda_r/\lambda_{r+1}` there (:class:`curvlab.curvature.ConditionNumber`).
 
@@ -496,7 +498,10 @@ def condition(prob: Problem, *, rank: int | None = None, rtol: float | None = No
     operator for the ``k`` largest and ``k`` smallest eigenvalues (the numerical rank is then counted among the
     smallest ``k``; if all of them fall below the threshold the cut is out of reach and a ValueError says so; for
     cross-entropy on :math:`K` the ``n`` known null directions :math:`\sqrt{\pi_i}` are lifted out of the way first);
-    ``"auto"``: dense when the smaller size is at most ``dense_max``. ``rtol`` defaults to
+    ``"auto"``: dense when the smaller size is at most ``dense_max`` *and* the dense route's :math:`\tilde J`
+    (``nc x p``, formed in full) has at most ``dense_max_entries`` entries (default :math:`2^{27}`, 1 GiB in float64);
+    otherwise Lanczos, whose products never form :math:`\tilde J` (at :math:`p\approx1.9\cdot10^6`, :math:`nc = 1280`
+    the dense route would need 9.5 GB in float32, Lanczos a few parameter-sized vectors). ``rtol`` defaults to
     ``default_rtol(size, dtype)``; ``rank`` forces the cut (dense only).
 
     >>> import torch; from torch import nn; from curvlab import model as cm
@@ -508,12 +513,13 @@ def condition(prob: Problem, *, rank: int | None = None, rtol: float | None = No
     prob = _check_problem(prob)
     method = check_choice("method", method, ("auto", "dense", "lanczos"))
     dense_max = check_int("dense_max", dense_max, min_value=1)
+    dense_max_entries = check_int("dense_max_entries", dense_max_entries, min_value=1)
     k = check_int("k", k, min_value=1)
     tol = check_nonnegative("tol", tol)
     on_kernel = prob.n * prob.c < prob.p
     size = prob.n * prob.c if on_kernel else prob.p
     if method == "auto":
-        method = "dense" if size <= dense_max else "lanczos"
+        method = "dense" if size <= dense_max and prob.n * prob.c * prob.p <= dense_max_entries else "lanczos"
     if method == "dense":
         M = kernel_matrix(prob) / prob.n if on_kernel else ggn_matrix(prob, max_params=max(prob.p, 1))
         lam = torch.linalg.eigvalsh(config.spectral(M)).flip(-1)
