@@ -159,3 +159,33 @@ def test_value_role_fills_prose_from_this_builds_ledger(fake_root, tmp_path, mon
     html = (tmp_path / "out" / "index.html").read_text()
     assert "-0.51 ± 3·0.01" in html and "not reproduced" in html and 'class="curvlab-value"' in html
     assert "renamed check" in warnings.getvalue() and "no value" in warnings.getvalue()
+
+
+def test_theorem_labels_in_latex_name_their_document_even_when_the_title_has_markup():
+    """sphinx-proof's ``find_parent`` compares a section's names with the title text; a chapter title with math or
+    markup (chapters 11, 12, 22) made it return ``None``, so the LaTeX label was ``None:<label>`` and each
+    ``{prf:ref}`` printed ``??``. The book's replacement finds the enclosing ``start_of_file`` (or the source)."""
+    from types import SimpleNamespace
+
+    from docutils import nodes
+    from sphinx import addnodes
+
+    env = SimpleNamespace(titles={"notebooks/12_x": nodes.title(text="One giant step: $\\eta$")},
+                          config=SimpleNamespace(root_doc="book/index"),
+                          path2doc=lambda path: {"/book/notebooks/12_x.ipynb": "notebooks/12_x"}.get(path))
+    sec = nodes.section(names=["one giant step: eta"], docname="notebooks/12_x")
+    block = nodes.container()
+    sec += block
+    included = addnodes.start_of_file(docname="notebooks/12_x")
+    included += sec
+    import sphinx_proof.nodes as proof_nodes
+
+    curvlab_book._patch_sphinx_proof()
+    assert curvlab_book._proof_find_parent_orig(env, block, "section") is None  # the upstream lookup fails here
+    assert proof_nodes.find_parent(env, block, "section") == "notebooks/12_x"
+    # without a start_of_file (a one-document LaTeX build), the node's source names the document
+    sec2 = nodes.section(names=["x"])
+    sec2.source = "/book/notebooks/12_x.ipynb"
+    block2 = nodes.container()
+    sec2 += block2
+    assert proof_nodes.find_parent(env, block2, "section") == "notebooks/12_x"

@@ -167,3 +167,7 @@ def test_chapter_handout_has_theorem_blocks_and_figure_captions(handout):
         assert len(body.strip()) > 20, f"the block {title[:60]!r} is empty in the PDF"
     # A proof is text, not a box with an empty title bar (sphinx-proof's untitled admonition).
     assert "Proof." in flat and not re.search(r"\\begin\{sphinxadmonition\}\{note\}\s*\\sphinxAtStartPar", tex)
+    # Every theorem block's LaTeX label names its document, the target of every {prf:ref} (sphinx-proof's own
+    # lookup wrote "None:<label>" for chapters whose title has markup, and those references printed "??").
+    labels = re.findall(r"\\label\{([^}:]*):(?:lem|cor|prop|thm)-[^}]*\}", tex)
+    assert labels and set(labels) == {f"notebooks/{CHAPTER}"}, f"theorem labels name {sorted(set(labels))}"

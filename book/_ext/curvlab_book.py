@@ -537,7 +537,45 @@ def _build_finished(app: Sphinx, exception: Exception | None) -> None:
                 LOGGER.warning(f"{chapter}: derived check failed: {r['name']} ({r.get('note', '')})", type="curvlab", subtype="check")
 
 
+def _proof_docname(env: Any, node: Any, parent_tag: str = "section") -> str | None:
+    """The document a sphinx-proof block belongs to, for its LaTeX ``\\label``.
+
+    sphinx-proof's own ``find_parent`` matches a section's ``names`` against the document's title text, which fails
+    for titles with markup or math (chapters 11, 12, 22): the label became ``None:<label>`` and every
+    ``{prf:ref}`` to it printed ``??`` in the PDF. In the LaTeX builder each included document sits in a
+    ``start_of_file`` node that carries its ``docname``; the nearest one is the document.
+    """
+    from sphinx import addnodes
+
+    current = node
+    while current is not None:
+        if isinstance(current, addnodes.start_of_file):
+            return current["docname"]
+        source = getattr(current, "source", None)
+        if source:
+            docname = env.path2doc(source.split(":", 1)[0] if not Path(source).exists() else source)
+            if docname:
+                return docname
+        current = current.parent
+    return _proof_find_parent_orig(env, node, parent_tag) or env.config.root_doc
+
+
+def _patch_sphinx_proof() -> None:
+    global _proof_find_parent_orig
+    try:
+        import sphinx_proof.nodes as proof_nodes
+    except ImportError:  # pragma: no cover - the book always has sphinx-proof
+        return
+    if proof_nodes.find_parent is not _proof_docname:
+        _proof_find_parent_orig = proof_nodes.find_parent
+        proof_nodes.find_parent = _proof_docname
+
+
+_proof_find_parent_orig: Any = None
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
+    _patch_sphinx_proof()  # prf labels in the PDF name their document (see _proof_docname)
     app.setup_extension("curvlab_launch")  # Colab launch buttons open the clean copies (notebooks/colab/)
     app.connect("config-inited", _config_inited, priority=100)
     app.add_node(LedgerNode)
