@@ -21,6 +21,7 @@ One module per subject the book teaches, plus shared tools:
 ``synthesis``   K-FAC as structured GN (eigenvalues {1, 2}), Kronecker error, probes of open questions
 ``interact``    sliders in a live kernel, small multiples in the static book
 ``conv``        Part III: two-layer linear CNN — Toeplitz form of the convolution, reduced GN matrix, κ bound
+``resnet``      Part III at paper size: ResNet-20, the CIFAR-10 python batches, pruned κ(GN) via a chunked Jacobian Gram
 ``paper_runs``  registry of paper-scale grids run outside the book build (``make sweeps``)
 ``model``       any ``torch.nn.Module``: GN/GGN products, κ with its rank cut, K-FAC blocks, a kernel-form GN step
 
@@ -34,7 +35,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt", "linrep", "linrep_baselines", "singleindex", "synthesis", "interact", "paper_runs", "model", "conv")
+_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt", "linrep", "linrep_baselines", "singleindex", "synthesis", "interact", "paper_runs", "model", "conv", "resnet")
 __all__ = ["setup", "__version__", *_SUBMODULES]
 
 
