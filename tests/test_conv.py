@@ -180,9 +180,12 @@ def test_pruning_lowers_layer_sigma_min_and_training_runs():
 
 def test_pruning_bad_input():
     net = small_net()
-    for rate in (-0.1, 1.0, 1.5, float("nan")):
+    for rate in (-0.1, 1.0, 1.5, float("nan"), float("inf"), True, "0.5"):
         with pytest.raises(ValueError, match="rate"):
             cv.magnitude_masks_net(net, rate)
+    tiny = cv.ResidualCNN(c=1, blocks=0, d_y=1, image=4)          # the head has a single weight
+    with pytest.raises(ValueError, match="all-pruned layer"):
+        cv.magnitude_masks_net(tiny, 1 - 1e-12)                  # < 1, yet keeps no weight of the head
     masks = cv.magnitude_masks_net(net, 0.5)
     masks["head.weight"] = torch.zeros_like(masks["head.weight"])
     with pytest.raises(ValueError, match="all-pruned layer"):
@@ -191,3 +194,67 @@ def test_pruning_bad_input():
         cv.magnitude_masks_net("resnet", 0.5)
     with pytest.raises(ValueError, match="masks must have one entry"):
         cv.layer_sigma_min(net, {"stem.weight": masks["stem.weight"]})
+
+
+def test_jacobian_all_per_sample_matches_full_batch_and_kept_gram():
+    net, X = small_net(7), torch.randn(5, 16, dtype=F64, generator=gen(8))
+    masks = cv.magnitude_masks_net(net, 0.4)
+    J = cv.jacobian_all(net, X, masks)
+    # full-batch reference over all weights at the pruned point
+    params = {k: p.detach() * masks[k] for k, p in net.named_parameters()}
+    names = list(params)
+    flat = torch.cat([params[k].reshape(-1) for k in names])
+    sizes = [params[k].numel() for k in names]
+
+    def f(th):
+        d = {k: t.reshape(params[k].shape) for k, t in zip(names, th.split(sizes))}
+        return torch.func.functional_call(net, d, (X,)).reshape(-1)
+
+    torch.testing.assert_close(J, torch.func.jacrev(f)(flat), rtol=0, atol=1e-12)
+    keep = cv.flat_mask(net, masks)
+    assert keep.shape == (flat.numel(),) and int(keep.sum()) == sum(int(m.sum()) for m in masks.values())
+    torch.testing.assert_close(cv.kept_gram(J, keep), J[:, keep.bool()] @ J[:, keep.bool()].T, rtol=0, atol=1e-12)
+    # freezing weights can only lower every eigenvalue (Loewner order)
+    lk, la = torch.linalg.eigvalsh(cv.kept_gram(J, keep)), torch.linalg.eigvalsh(cv.kept_gram(J))
+    assert bool((lk <= la + 1e-12 * float(la[-1])).all())
+    with pytest.raises(ValueError, match="keep must be"):
+        cv.kept_gram(J, keep[:-1])
+
+
+def test_pruning_counterfactuals_rank_bound_and_rate_zero():
+    torch.manual_seed(3)
+    net = cv.ResidualCNN(c=3, blocks=1, d_y=5, image=4)
+    X = torch.randn(6, 16, dtype=F64, generator=gen(9))
+    frame = cv.pruning_counterfactuals(net, X, [0.0, 0.5, 0.9])
+    row0 = frame.iloc[0]                                   # nothing pruned: all three spectra coincide
+    assert row0.kappa == pytest.approx(row0.kappa_zeroed, rel=1e-9) == pytest.approx(row0.kappa_frozen, rel=1e-9)
+    assert row0["sigma_min ratio (median)"] == 1.0 and row0["head rank"] == 3
+    n, c, d_y = 6, 3, 5                                    # rank <= n rank V_m + c (d_y - rank V_m)
+    assert bool((frame["rank"] <= n * frame["head rank"] + c * (d_y - frame["head rank"])).all())
+    assert int(row0["rank"]) == n * c + c * (d_y - c)
+
+
+def test_train_pruned_many_matches_single_runs_and_bad_input():
+    nets = [small_net(10), small_net(11)]
+    X, Y = torch.randn(5, 16, dtype=F64, generator=gen(12)), torch.randn(5, 3, dtype=F64, generator=gen(13))
+    masks = [cv.magnitude_masks_net(nets[0], 0.3), cv.magnitude_masks_net(nets[1], 0.6)]
+    many = cv.train_pruned_many(nets, masks, X, Y, lr=[0.05, 0.1], steps=6, every=3)
+    for b, lr in enumerate((0.05, 0.1)):
+        one = cv.train_pruned(nets[b], masks[b], X, Y, lr=lr, steps=6, every=3)
+        got = many[many.net == b].reset_index(drop=True)
+        torch.testing.assert_close(torch.tensor(got.loss.to_numpy()), torch.tensor(one.loss.to_numpy()), rtol=1e-12, atol=0)
+        fn, theta = cv.pruned_model(nets[b], masks[b], X)         # reference: plain GD over the kept weights
+        y, th = Y.reshape(-1), theta
+        for _ in range(6):
+            th = th - lr * torch.func.grad(lambda t: (fn(t) - y).square().sum() / 10)(th)
+        assert got.loss.iloc[-1] == pytest.approx(float((fn(th) - y).square().sum() / 10), rel=1e-10)
+    with pytest.raises(ValueError, match="lr must be"):
+        cv.train_pruned_many(nets, masks, X, Y, lr=[0.1], steps=1, every=1)
+    with pytest.raises(ValueError, match="one architecture"):
+        cv.train_pruned_many([nets[0], cv.ResidualCNN(c=3, blocks=1, d_y=3, image=4)], masks, X, Y, lr=0.1, steps=1,
+                             every=1)
+    with pytest.raises(ValueError, match="masks must be a list"):
+        cv.train_pruned_many(nets, masks[:1], X, Y, lr=0.1, steps=1, every=1)
+    diverged = cv.train_pruned_many(nets[:1], masks[:1], X, Y * 1e3, lr=1e3, steps=8, every=4)   # a step far too large
+    assert math.isfinite(diverged.kappa.iloc[0]) and not math.isfinite(diverged.loss.iloc[-1])
+    assert math.isnan(diverged.kappa.iloc[-1]) and diverged["rank"].iloc[-1] == 0       # recorded, not raised

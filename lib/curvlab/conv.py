@@ -42,6 +42,7 @@ Every tensor may carry leading batch dimensions (one network per seed); spectral
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 import pandas as pd
@@ -71,9 +72,14 @@ __all__ = [
     "ResidualCNN",
     "magnitude_masks_net",
     "pruned_model",
+    "flat_mask",
+    "jacobian_all",
+    "kept_gram",
     "gram_condition",
     "layer_sigma_min",
+    "pruning_counterfactuals",
     "train_pruned",
+    "train_pruned_many",
 ]
 
 
@@ -377,7 +383,7 @@ def conditioning_frame(K, V, Sigma_hat=None, image: int = 8, padding: int = 0, *
 
 # ============================================================================================ pruned residual CNN
 class ResidualCNN(torch.nn.Module):
-    r"""A small nonlinear residual CNN on ``h x h`` images (chapter 31, pruning): a 3x3 stem ``1 -> c``, ``blocks``
+    r"""A small nonlinear residual CNN on ``h x h`` images (chapter 32, pruning): a 3x3 stem ``1 -> c``, ``blocks``
     residual blocks :math:`z\mapsto z+\mathrm{conv}_2(\mathrm{ReLU}(\mathrm{conv}_1(\mathrm{ReLU}(z))))` (3x3, same
     padding, ``c -> c``), global average pooling and a linear head ``c -> d_y``; no biases, float64. With ``c = 8``
     and two blocks it has 2,456 parameters. The paper's network is ResNet-20 (about 270,000)."""
@@ -460,15 +466,60 @@ def pruned_model(net, masks, X):
     return fn, theta
 
 
+def flat_mask(net, masks) -> torch.Tensor:
+    r"""The masks as one 0/1 vector over *all* ``p`` weights of ``net``, in ``named_parameters`` order: the column
+    order of :func:`jacobian_all`."""
+    net = _check_net(net)
+    masks = _check_masks(net, masks)
+    return torch.cat([masks[k].reshape(-1) for k, _ in net.named_parameters()])
+
+
+def _jacobian_at(net, params: dict[str, torch.Tensor], X: torch.Tensor) -> torch.Tensor:
+    """Per-sample Jacobian ``(n d_y, p)`` of ``net`` at the weights ``params`` (``vmap`` of ``jacrev`` over the
+    samples: ``n d_y`` backward passes through one image each)."""
+    def one(p, x):
+        return torch.func.functional_call(net, p, (x.reshape(1, -1),)).reshape(-1)
+
+    Jd = torch.func.vmap(torch.func.jacrev(one), in_dims=(None, 0))(params, X)
+    rows = X.shape[0] * next(iter(Jd.values())).shape[1]
+    return torch.cat([Jd[k].reshape(rows, -1) for k in params], dim=1)
+
+
+def jacobian_all(net, X, masks=None) -> torch.Tensor:
+    r"""Jacobian ``(n d_y, p)`` of the outputs of ``net`` on ``X`` with respect to **all** ``p`` weights, at the
+    pruned weights :math:`W\odot M` (at the unpruned ones when ``masks`` is None). Rows are sample-major (sample
+    ``i``'s ``d_y`` outputs together), columns in ``named_parameters`` order (:func:`flat_mask`). Computed sample
+    by sample; :func:`pruned_model` with :func:`curvlab.curvature.jacobian` is the full-batch reference."""
+    net = _check_net(net)
+    X = config.spectral(check_matrix("X", X))
+    params = {k: p.detach() for k, p in net.named_parameters()}
+    if masks is not None:
+        masks = _check_masks(net, masks)
+        params = {k: p * masks[k] for k, p in params.items()}
+    return _jacobian_at(net, params, X)
+
+
+def kept_gram(J, keep=None) -> torch.Tensor:
+    r"""The Jacobian Gram over the columns ``keep`` (a 0/1 vector from :func:`flat_mask`; all columns when None):
+    :math:`J\,\mathrm{diag}(\mathrm{keep})\,J^\top`, ``n d_y x n d_y``. Divided by ``n`` it has the nonzero
+    eigenvalues of the GN matrix over the kept weights."""
+    J = config.spectral(check_matrix("J", J))
+    if keep is None:
+        return J @ J.T
+    keep = as_tensor("keep", keep, dtype=J.dtype, device=J.device)
+    if keep.shape != (J.shape[1],):
+        raise ValueError(f"keep must be a 0/1 vector of length {J.shape[1]} (J's columns), got {tuple(keep.shape)}")
+    return (J * keep) @ J.T
+
+
 def gram_condition(net, masks, X):
     r""":math:`\kappa(\GN)` over the nonzero spectrum, through the ``n d_y x n d_y`` Jacobian Gram
     :math:`JJ^\top/n` (same nonzero eigenvalues as :math:`J^\top J/n`) at the numerical rank, with the gap at the
-    cut (:func:`curvlab.curvature.condition_number`). ``J`` is over the kept weights."""
-    from .curvature import condition_number, jacobian
+    cut (:func:`curvlab.curvature.condition_number`). ``J`` is over the kept weights, at the pruned weights."""
+    from .curvature import condition_number
 
-    fn, theta = pruned_model(net, masks, X)
-    J = jacobian(fn, theta)
-    return condition_number(J @ J.T / X.shape[0])
+    J = jacobian_all(net, X, masks)
+    return condition_number(kept_gram(J, flat_mask(net, masks)) / X.shape[0])
 
 
 def layer_sigma_min(net, masks) -> dict[str, float]:
@@ -484,26 +535,115 @@ def layer_sigma_min(net, masks) -> dict[str, float]:
     return out
 
 
-def train_pruned(net, masks, X, Y, *, lr: float, steps: int, every: int) -> pd.DataFrame:
-    r"""Full-batch gradient descent on :math:`\frac1{2n}\lVert f(X)-Y\rVert^2` over the kept weights (the pruned ones
-    stay at zero); returns a frame with ``step``, ``loss`` and ``kappa`` (:func:`gram_condition`), ``rank``, ``gap``
-    at every ``every`` steps and at the end. ``net`` is not modified."""
-    fn, theta = pruned_model(net, masks, X)
+def pruning_counterfactuals(net, X, rates) -> pd.DataFrame:
+    r"""For one network and each pruning ``rate``: the spectrum of the Gram matrix (divided by ``n``) of
+
+    * the **pruned** network: the kept weights, at the pruned weights :math:`W\odot M` (``eig``, ``kappa``, ...);
+    * **zeroed, all trainable**: every weight, at :math:`W\odot M` -- the same function and the same lowered
+      layer :math:`\sigma_{\min}`, no direction removed (``eig_zeroed``, ``kappa_zeroed``, ...);
+    * **frozen, not zeroed**: the kept weights, at the unpruned :math:`W` -- every layer keeps its unpruned
+      :math:`\sigma_{\min}`, the same directions removed (``eig_frozen``, ``kappa_frozen``, ...);
+
+    with :math:`\kappa` over the nonzero spectrum, rank and gap (:func:`curvlab.curvature.condition_number`), and the
+    layers' :math:`\sigma_{\min}` after pruning relative to before (median and minimum over layers,
+    :func:`layer_sigma_min`), and the rank of the pruned read-out (the last layer). One Jacobian at :math:`W` serves
+    every rate (:func:`jacobian_all`)."""
+    from .curvature import condition_number
+
+    net = _check_net(net)
+    X = config.spectral(check_matrix("X", X))
+    n, J0 = X.shape[0], jacobian_all(net, X)
+    s0 = layer_sigma_min(net, magnitude_masks_net(net, 0.0))
+    rows = []
+    for rate in rates:
+        masks = magnitude_masks_net(net, rate)
+        keep, Jr = flat_mask(net, masks), jacobian_all(net, X, masks)
+        row = {"rate": float(rate)}
+        for tag, G in (("", kept_gram(Jr, keep)), ("_zeroed", kept_gram(Jr)), ("_frozen", kept_gram(J0, keep))):
+            lam = torch.linalg.eigvalsh(G / n).flip(0)
+            c = condition_number(lam)
+            row.update({f"kappa{tag}": c.kappa, f"rank{tag}": c.rank, f"gap{tag}": c.gap,
+                        f"lambda_max{tag}": c.lambda_max, f"eig{tag}": lam.cpu().numpy()})
+        head = list(net.named_parameters())[-1]
+        row["head rank"] = int(torch.linalg.matrix_rank(config.spectral(head[1].detach() * masks[head[0]])))
+        ratio = [v / s0[k] for k, v in layer_sigma_min(net, masks).items()]
+        row.update({"sigma_min ratio (median)": float(statistics.median(ratio)),
+                    "sigma_min ratio (min)": float(min(ratio))})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _check_lr(lr, count: int) -> torch.Tensor:
+    vals = [lr] * count if isinstance(lr, (int, float)) and not isinstance(lr, bool) else list(lr) if isinstance(
+        lr, (list, tuple)) else None
+    if vals is None or len(vals) != count or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in vals):
+        raise ValueError(f"lr must be a finite positive step, or a list of {count} of them (one per network), "
+                         f"got {lr!r}")
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def train_pruned_many(nets, masks, X, Y, *, lr, steps: int, every: int, show_progress: bool = False) -> pd.DataFrame:
+    r"""Full-batch gradient descent on :math:`\frac1{2n}\lVert f(X)-Y\rVert^2` over the kept weights of several
+    pruned networks of the same architecture at once (``torch.func.vmap`` over the networks; the pruned weights stay
+    at zero). ``lr`` is one step or one per network. Returns a frame with ``net`` (the index in ``nets``),
+    ``step``, ``loss`` and, from the Jacobian Gram over the kept weights, ``kappa``, ``rank``, ``gap`` and
+    ``lambda_max`` at every ``every`` steps and at the end (NaN once a network's loss is no longer finite: the step
+    was too large for it). The networks are not modified. ``show_progress`` shows a bar over the steps
+    (:func:`curvlab.progress.progress`)."""
+    if not isinstance(nets, (list, tuple)) or not nets:
+        raise ValueError("nets must be a non-empty list of networks")
+    nets = [_check_net(net) for net in nets]
+    if not isinstance(masks, (list, tuple)) or len(masks) != len(nets):
+        raise ValueError(f"masks must be a list of {len(nets)} mask dicts, one per network")
+    shapes = [(k, p.shape) for k, p in nets[0].named_parameters()]
+    for i, net in enumerate(nets):
+        if [(k, p.shape) for k, p in net.named_parameters()] != shapes:
+            raise ValueError(f"nets must share one architecture; nets[{i}] differs from nets[0]")
+    masks = [_check_masks(net, m) for net, m in zip(nets, masks)]
+    X = config.spectral(check_matrix("X", X))
     Y = config.spectral(check_matrix("Y", Y))
     if Y.shape[0] != X.shape[0]:
         raise ValueError(f"Y must have n = {X.shape[0]} rows, got {tuple(Y.shape)}")
+    eta = _check_lr(lr, len(nets)).to(X.device)
+    steps, every = check_int("steps", steps, min_value=0), check_int("every", every, min_value=1)
+    from .curvature import condition_number
+
+    base, n = nets[0], X.shape[0]
+    M = {k: torch.stack([m[k] for m in masks]).to(X) for k, _ in shapes}
+    P = {k: torch.stack([dict(net.named_parameters())[k].detach() for net in nets]).to(X) * M[k] for k, _ in shapes}
+    keep = [flat_mask(net, m).to(X) for net, m in zip(nets, masks)]
+
+    def losses(P):
+        out = torch.func.vmap(lambda p: torch.func.functional_call(base, p, (X,)))(P)
+        return (out - Y).square().sum(dim=(-2, -1)) / (2 * n)
+
+    grad = torch.func.grad(lambda P: losses(P).sum())
+    from .progress import progress
+
+    rows = []
+    for t in progress(range(steps + 1), desc="GD steps") if show_progress else range(steps + 1):
+        if t % every == 0 or t == steps:
+            loss = losses(P)
+            for b in range(len(nets)):
+                row = {"net": b, "step": t, "loss": float(loss[b]), "kappa": math.nan, "rank": 0, "gap": math.nan,
+                       "lambda_max": math.nan}
+                if math.isfinite(row["loss"]):                       # a diverged network keeps NaN curvature
+                    J = _jacobian_at(base, {k: v[b] for k, v in P.items()}, X)
+                    c = condition_number(kept_gram(J, keep[b]) / n)
+                    row.update(kappa=c.kappa, rank=c.rank, gap=c.gap, lambda_max=c.lambda_max)
+                rows.append(row)
+        if t < steps:
+            g = grad(P)
+            P = {k: v - eta.view(-1, *[1] * (v.dim() - 1)) * g[k] * M[k] for k, v in P.items()}
+    return pd.DataFrame(rows)
+
+
+def train_pruned(net, masks, X, Y, *, lr: float, steps: int, every: int) -> pd.DataFrame:
+    r"""Full-batch gradient descent on :math:`\frac1{2n}\lVert f(X)-Y\rVert^2` over the kept weights (the pruned ones
+    stay at zero); returns a frame with ``step``, ``loss`` and ``kappa`` (:func:`gram_condition`), ``rank``, ``gap``,
+    ``lambda_max`` at every ``every`` steps and at the end. ``net`` is not modified. One network of
+    :func:`train_pruned_many`."""
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"lr must be a finite positive step, got {lr!r}")
-    steps, every = check_int("steps", steps, min_value=0), check_int("every", every, min_value=1)
-    from .curvature import condition_number, jacobian
-
-    y, n, rows = Y.reshape(-1), X.shape[0], []
-    loss_fn = lambda th: (fn(th) - y).square().sum() / (2 * n)  # noqa: E731
-    for t in range(steps + 1):
-        if t % every == 0 or t == steps:
-            J = jacobian(fn, theta)
-            c = condition_number(J @ J.T / n)
-            rows.append({"step": t, "loss": float(loss_fn(theta)), "kappa": c.kappa, "rank": c.rank, "gap": c.gap})
-        if t < steps:
-            theta = theta - lr * torch.func.grad(loss_fn)(theta)
-    return pd.DataFrame(rows)
+    return train_pruned_many([net], [masks], X, Y, lr=lr, steps=steps, every=every).drop(columns="net")
