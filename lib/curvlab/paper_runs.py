@@ -93,6 +93,166 @@ def _device() -> torch.device:
     return config.device()
 
 
+# ------------------------------------------------------------- chapter 11: linear representations (Figure 1)
+#: Chapter 11's configuration (notebooks/configs/linrep_fig1.yml), copied here so that the registry does not depend
+#: on the notebooks folder (a pip-installed curvlab has none); tests/test_sweep.py checks it equals the file.
+CH11_CONFIG: dict[str, Any] = {
+    "problem": {"kappa_x": 100, "kappa_F": 3, "x_dist": "rademacher", "noise": 0.1, "transfer_kappa": 100,
+                "seed": 0, "tune_seed": 1000, "iso_kappa_x": 1},
+    "sizes": {"quick": {"d": 30, "k": 3, "d_y": 8, "n": 150, "steps": 80, "seeds": 4, "tune_seeds": 2,
+                        "tune_steps": 20, "record_every": 5},
+              "standard": {"d": 60, "k": 6, "d_y": 16, "n": 300, "steps": 300, "seeds": 6, "tune_seeds": 3,
+                           "tune_steps": 300, "record_every": 10},
+              "paper": {"d": 100, "k": 8, "d_y": 20, "n": 500, "steps": 600, "seeds": 8, "tune_seeds": 4,
+                        "tune_steps": 600, "record_every": 10}},
+    "methods": {"AMGD": {"eta_G": 0.5, "normalize_step": True},
+                "K-FAC": {"eta_G": 0.5, "lam_G": 1.0e-3, "lam_F": 0.0},
+                "DFW": {"eta_G": 0.5, "lam_G": 1.0e-3, "normalize_step": True},
+                "whitening+AMGD": {"eta_G": 0.5, "normalize_step": True, "stats": "running"},
+                "batchnorm+AMGD": {"eta_G": 0.5, "normalize_step": True, "stats": "running"}},
+    "grids": {"NGD": {"eta_G": [0.0625, 0.125, 0.25, 0.5, 1.0], "lam_GN": [1.0e-6, 1.0e-4, 1.0e-2, 1.0, 100.0]},
+              "Adam": {"eta_G": [1.0e-3, 3.0e-3, 1.0e-2, 3.0e-2, 1.0e-1, 3.0e-1, 1.0]},
+              "Shampoo": {"eta_G": [3.0e-2, 1.0e-1, 3.0e-1, 1.0, 3.0, 10.0, 30.0]}},
+}
+_CH11_METHODS = ("AMGD", "K-FAC", "DFW", "NGD", "Adam", "Shampoo", "whitening+AMGD", "batchnorm+AMGD")
+
+
+def ch11_linrep_fig1(method: str, hp: str | None, grid: str | None, d: int, k: int, d_y: int, kappa_x: float,
+                     kappa_F: float, x_dist: str, noise: float, transfer_kappa: float, iso_kappa_x: float,
+                     problem_seed: int, tune_seed: int, n: int, steps: int, seeds: int, tune_seeds: int,
+                     tune_steps: int, record_every: int) -> pd.DataFrame:
+    """Chapter 11's Figure 1 for one method: its fixed setting ``hp``, or the best of ``grid`` (both JSON text) by
+    the chapter's rule (:func:`curvlab.linrep_baselines.grid_scores` on the tuning problem, its first
+    ``tune_seeds`` seeds, ``tune_steps`` steps, generator seed 1), then ``steps`` steps on the reported problem
+    (anisotropic) and on the isotropic control (Sigma = I), all ``seeds`` in one batch, generator seed 2: the
+    traces every ``record_every``."""
+    from dataclasses import fields, replace
+
+    from . import checks, linrep
+    from . import linrep_baselines as baselines
+
+    dev = _device()
+    hp, grid = (None if v is None else json.loads(v) for v in (hp, grid))
+
+    def make(draw: int, kx: float) -> Any:
+        return linrep.linrep_problem(seeds, d=d, k=k, d_y=d_y, kappa_x=kx, kappa_F=kappa_F, x_dist=x_dist,
+                                     noise=noise, transfer_kappa=transfer_kappa, seed=draw, device=dev)
+
+    score, edge = float("nan"), []
+    if grid is not None:                         # tuned, exactly as the chapter: the first seeds of the same draw
+        tuning = make(tune_seed, kappa_x)
+        tuning = replace(tuning, **{f.name: getattr(tuning, f.name)[:tune_seeds] for f in fields(tuning)
+                                    if torch.is_tensor(getattr(tuning, f.name))})
+        cells = baselines.grid_scores(method, tuning, tune_steps, n, {}, grid, record_every=record_every, seed=1)
+        hp, score = min(((h, float(s.mean())) for h, s in cells), key=lambda hs: hs[1])
+        edge = [key for key, vals in grid.items() if checks.at_grid_edge(vals, hp[key])]
+    frames = []
+    for name, kx in (("anisotropic", kappa_x), ("isotropic", iso_kappa_x)):
+        out = baselines.run_method(method, make(problem_seed, kx), steps, n, hp, record_every=record_every,
+                                   generator=torch.Generator().manual_seed(2))
+        S, T = out["subspace_distance"].shape
+        frames.append(pd.DataFrame({
+            "problem": name, "seed": [s for s in range(S) for _ in range(T)],
+            "step": out["step"].reshape(-1).cpu().numpy(),
+            **{m: out[m].detach().double().reshape(-1).cpu().numpy()
+               for m in ("subspace_distance", "train_loss", "transfer_loss")}}))
+    return pd.concat(frames, ignore_index=True).assign(
+        hp_used=json.dumps(hp, sort_keys=True), tuned=grid is not None, tune_score=score,
+        tuned_at_edge=",".join(edge), device=str(dev))
+
+
+def _ch11_grid(profile: str) -> list[dict[str, Any]]:
+    C = CH11_CONFIG
+    base = {**{("problem_seed" if k == "seed" else k): v for k, v in C["problem"].items()}, **C["sizes"][profile]}
+    js = lambda v: None if v is None else json.dumps(v, sort_keys=True)  # noqa: E731  (configs hold no dicts)
+    cells = [{"method": m, "hp": js(C["methods"].get(m)), "grid": js(C["grids"].get(m))} for m in _CH11_METHODS]
+    return [{**c, **base} for c in cells]
+
+
+def _ch11_flops(method, grid, d, k, d_y, n, steps, seeds, tune_seeds, tune_steps, record_every, **_):
+    """Per step and seed: the batch moments (2 n d^2), the method's d x d work (an eigen-decomposition, about
+    9 d^3, for NGD, Shampoo and the normalised methods; a Cholesky solve, d^3, otherwise) and, every
+    ``record_every`` steps, the three losses (about 6 d^3). Tuning: every grid cell on the tuning seeds."""
+    heavy = method in ("NGD", "Shampoo", "whitening+AMGD", "batchnorm+AMGD")
+    step = 2 * n * d * d + (9 if heavy else 1) * d ** 3 + 2 * d_y * k * d + 6 * d ** 3 / record_every
+    cells = math.prod(len(v) for v in json.loads(grid).values()) if grid else 0
+    return step * (2 * seeds * steps + cells * tune_seeds * tune_steps)
+
+
+# ---------------------------------------------------------------- chapter 12: the single-index giant step
+#: The chapter's protocol (notebooks/12_single_index_giant_step): the link tanh(2 z), the six dampings of the
+#: simulated points and 80 of the theory curves, the held-out grid of 11 dampings, the spike norms theta.
+_CH12_LAMS = (1e-3, 1e-2, None, 1.0, 10.0, 100.0)   # None: the optimal damping lambda_G* of the chapter's setting
+_CH12_THETAS = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def ch12_single_index(kind: str, kappa: float, gamma: float, d: int, replicates: int, seed: int,
+                      m: int | None = None, n_test: int | None = None) -> pd.DataFrame:
+    """Chapter 12 at one anisotropy ``kappa``. ``kind="correlation"``: the cosine of the idealised spikes with
+    beta* (SGD, and K-FAC at six dampings) on a two-level spectrum, per replicate, with the theory
+    (:func:`curvlab.singleindex.kfac_cosine` on 80 dampings, :func:`~curvlab.singleindex.sgd_cosine`).
+    ``kind="risk"``: one giant step of width ``m`` and a ridge head on a power-law spectrum
+    (:func:`~curvlab.singleindex.giant_step_experiment`), K-FAC's damping the median choice of four pilot
+    replicates on the held-out grid, every spike norm theta."""
+    from . import singleindex as si
+
+    dev = config.spectral_device(_device())
+    gen = torch.Generator().manual_seed(seed)
+    n = round(d / gamma)
+    if kind == "correlation":
+        s = si.spectrum("two-level", d, kappa) if kappa > 1 else si.spectrum("isotropic", d)
+        b = si.beta_star(d, "flat", generator=gen)
+        lm = si.link_moments("tanh2", float((b ** 2 * s).sum()))
+        lm0 = si.link_moments("tanh2", 2.125)   # the chapter's lambda_G* = gamma sigma_eff^2 / c1^2 at gamma = 1/4
+        lam_star = 0.25 * float(lm0.sigma_eff2 / lm0.c1 ** 2)
+        lams = torch.tensor([lam_star if v is None else v for v in _CH12_LAMS], dtype=torch.float64)
+        X, y = si.sample(s, b, "tanh2", n, replicates, generator=gen, device=dev)
+        u, uk = si.ideal_spikes(X, y, lams)
+        bd = b.to(dev)
+        ck, cs = si.cosine(uk, bd[None]).cpu(), si.cosine(u, bd).cpu()              # (R, L), (R,)
+        R = ck.shape[0]
+        sim = [pd.DataFrame({"estimator": "K-FAC", "source": "simulation", "lam_G": float(lam),
+                             "replicate": range(R), "cos": ck[:, j].numpy()}) for j, lam in enumerate(lams)]
+        sim.append(pd.DataFrame({"estimator": "SGD", "source": "simulation", "lam_G": float("nan"),
+                                 "replicate": range(R), "cos": cs.numpy()}))
+        dense = torch.logspace(-3, 2, 80, dtype=torch.float64)
+        th = si.kfac_cosine(dense, s, b ** 2, lm.c1, lm.sigma_eff2, gamma)
+        sim.append(pd.DataFrame({"estimator": "K-FAC", "source": "theory", "lam_G": dense.numpy(),
+                                 "replicate": -1, "cos": torch.as_tensor(th).double().cpu().numpy()}))
+        sim.append(pd.DataFrame({"estimator": "SGD", "source": "theory", "lam_G": [float("nan")], "replicate": -1,
+                                 "cos": [float(si.sgd_cosine(s, b ** 2, lm.c1, lm.Ey2, gamma))]}))
+        return pd.concat(sim, ignore_index=True).assign(device=str(X.device))
+    if kind != "risk":
+        raise ValueError(f"kind must be 'correlation' or 'risk', got {kind!r}")
+    s = si.spectrum("power-law", d, kappa) if kappa > 1 else si.spectrum("isotropic", d)
+    b = si.beta_star(d, "flat", generator=gen)
+    grid_G = torch.logspace(-3, 2, 11, dtype=torch.float64)
+    pilot = [si.sample(s, b, "tanh2", n, 4, noise_std=0.1, generator=gen, device=dev) for _ in range(2)]
+    lam_G = float(grid_G[si.select_lam_G(*pilot[0], *pilot[1], grid_G)[0].cpu()].median())
+    f = si.giant_step_experiment(s, b, link="tanh2", n=n, m=m, replicates=replicates, lam_G=lam_G,
+                                 spike_norms=list(_CH12_THETAS), noise_std=0.1, n_test=n_test, generator=gen,
+                                 device=dev)
+    return f.assign(lam_G=lam_G, rel_risk=f.test_risk / f.null_risk, device=str(dev))
+
+
+def _ch12_grid(d_corr, R_corr, d_risk, R_risk, n_test, kappas_risk=(1.0, 10.0, 100.0, 1000.0)):
+    corr = _sweep.grid(kind=["correlation"], kappa=[1.0, 16.0, 100.0], gamma=[0.25, 1.0, 2.0], d=[d_corr],
+                       replicates=[R_corr], seed=[12])
+    risk = _sweep.grid(kind=["risk"], kappa=list(kappas_risk), gamma=[0.25], d=[d_risk], replicates=[R_risk],
+                       seed=[12], m=[d_risk], n_test=[n_test])
+    return corr + risk
+
+
+def _ch12_flops(kind, d, gamma, replicates, m=None, n_test=None, **_):
+    n = round(d / gamma)
+    if kind == "correlation":                  # X^T X, the eigen-decomposition with vectors, the six spikes
+        return replicates * (n * d * d + 9 * d ** 3 + 12 * d * d)
+    # per evaluation (RF + 2 methods x 5 norms): features of three batches, the ridge head's Gram and solve
+    ev = 2 * (n + 2 * n_test) * m * d + 2 * n * m * m + m ** 3 / 3
+    pilot = 8 * (n * d * d + 9 * d ** 3)
+    return replicates * (11 * ev + 2 * (2 * n * m * d) + 2 * 9 * m * d * min(m, d)) + pilot
+
+
 # ----------------------------------------------------------------------------------- chapter 20: GN flows
 def ch20_gn_flows(act: str, n: int, m: int, init_std: float, damping: str, floor: float, seeds: list,
                   eta: float, max_steps: int, rel_tol: float) -> pd.DataFrame:
@@ -418,9 +578,121 @@ def _summary_ch32(f: pd.DataFrame):
             "over networks); dashed: the chapter's bound where it is finite.")
 
 
+def _hp_text(v: Any) -> str:
+    hp = json.loads(v) if isinstance(v, str) else dict(v)
+    return ", ".join(f"{k} = {hp[k]:g}" for k in sorted(hp) if isinstance(hp[k], (int, float))
+                     and not isinstance(hp[k], bool))
+
+
+def _summary_ch11(f: pd.DataFrame):
+    import matplotlib.pyplot as plt
+
+    from . import plotting
+
+    probs = [p for p in ("anisotropic", "isotropic") if p in set(f.problem)]
+    fig, axes = plt.subplots(1, len(probs), figsize=(5.4 * len(probs), 3.8), sharey=True, squeeze=False)
+    methods = [m for m in _CH11_METHODS if m in set(f.method)] + sorted(set(f.method) - set(_CH11_METHODS))
+    for ax, prob in zip(axes[0], probs):
+        for m in methods:
+            st = f[(f.problem == prob) & (f.method == m)].groupby("step").subspace_distance.agg(
+                ["median", "min", "max"])
+            if len(st):
+                plotting.band(ax, st.index, st["min"], st["max"], m)
+                plotting.plot(ax, st.index, st["median"], m, markevery=max(1, len(st) // 8))
+        ax.set(yscale="log", xlabel="iteration t", title=prob)
+    axes[0, 0].set_ylabel(r"$\mathrm{dist}(G_t, G_\star)$")
+    axes[0, -1].legend(fontsize="x-small", ncol=2)
+    tuned = f[f.tuned.astype(bool)].groupby("method").first() if "tuned" in f else pd.DataFrame()
+    chosen = "; ".join(f"{m}: {_hp_text(row.hp_used)}" + (f" (grid edge: {row.tuned_at_edge})"
+                                                           if isinstance(row.tuned_at_edge, str)
+                                                           and row.tuned_at_edge else "")
+                       for m, row in tuned.iterrows())
+    return (fig, "Subspace distance against iteration on a log axis for the eight methods of Figure 1, median "
+                 "line and min-max band over seeds, for anisotropic inputs and the isotropic control.",
+            f"Figure 1 of chapter 11 at the registered grid's sizes ({_sizes(f, 'd', 'k', 'd_y', 'n')}, "
+            f"{f.seed.nunique()} seeds): median and range over seeds of the subspace distance, anisotropic "
+            "inputs and the isotropic control (same hyper-parameters). Tuned on the tuning problem at these "
+            f"sizes by the chapter's rule: {chosen or 'none'}.")
+
+
+def _summary_ch12(f: pd.DataFrame):
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from . import plotting
+
+    corr = f[f.kind == "correlation"] if "kind" in f else f.iloc[:0]
+    risk = f[f.kind == "risk"] if "kind" in f else f.iloc[:0]
+    kaps = sorted(set(corr.kappa))
+    fig, axes = plt.subplots(1, len(kaps) + (len(risk) > 0), figsize=(3.9 * (len(kaps) + (len(risk) > 0)), 3.6),
+                             squeeze=False)
+    gams = sorted(set(corr.gamma))
+    shade = dict(zip(gams, [1.0, 0.65, 0.35, 0.2][: len(gams)]))
+    for ax, kap in zip(axes[0], kaps):
+        for g in gams:
+            c = corr[(corr.kappa == kap) & (corr.gamma == g)]
+            th = c[(c.source == "theory") & (c.estimator == "K-FAC")].sort_values("lam_G")
+            plotting.plot(ax, th.lam_G, th.cos, "K-FAC", marker="", alpha=shade[g],
+                          label=fr"K-FAC theory, $\gamma={g:g}$")
+            sim = c[(c.source == "simulation") & (c.estimator == "K-FAC")].groupby("lam_G").cos
+            mu, se = sim.mean(), sim.std() / np.sqrt(sim.count())
+            plotting.band(ax, mu.index, mu - 2 * se, mu + 2 * se, "K-FAC")
+            ax.plot(mu.index, mu.to_numpy(), "s", color=plotting.style("K-FAC").color, alpha=shade[g])
+            sgd = c[(c.source == "theory") & (c.estimator == "SGD")].cos
+            if len(sgd):
+                plotting.plot(ax, [th.lam_G.min(), th.lam_G.max()], [float(sgd.iloc[0])] * 2, "SGD", marker="",
+                              alpha=shade[g], linestyle=":", label=fr"SGD, $\gamma={g:g}$")
+        ax.set(xscale="log", xlabel=r"damping $\lambda_G$", title=fr"$\kappa(\Sigma)={kap:g}$")
+    if kaps:
+        axes[0, 0].set_ylabel(r"$\cos(u,\beta_\star)$")
+        axes[0, 0].legend(fontsize=6, ncol=2)
+    if len(risk):
+        ax = axes[0, -1]
+        best = risk.loc[risk.groupby(["kappa", "method", "replicate"]).val_risk.idxmin()]
+        for meth in ("SGD", "K-FAC", "RF"):
+            t = best[best.method == meth].groupby("kappa").rel_risk
+            mu, se = t.mean(), t.sem()
+            plotting.plot(ax, mu.index, mu.to_numpy(), meth, markevery=1)
+            plotting.band(ax, mu.index, (mu - 2 * se).to_numpy(), (mu + 2 * se).to_numpy(), meth)
+        ax.set(xscale="log", yscale="log", xlabel=r"$\kappa(\Sigma)$ (power law)", ylabel=r"test risk / $E y^2$",
+               title=f"test risk, d = m = {int(risk.d.iloc[0])}")
+        ax.legend(fontsize="x-small")
+    return (fig, "Panels of the K-FAC spike's cosine with beta* against the damping on a log axis, one per "
+                 "condition number, theory lines with simulated points and bands for three aspect ratios and "
+                 "dotted SGD levels; a last panel of relative test risk against the condition number for SGD, "
+                 "K-FAC and random features.",
+            f"Chapter 12 at the registered grid's sizes: the correlation figure (two-level spectra, "
+            f"d = {int(corr.d.iloc[0]) if len(corr) else '-'}, "
+            f"{int(corr.replicates.iloc[0]) if len(corr) else 0} replicates; lines theory, squares simulation "
+            "with two-SE bands, gamma = d/n dark to light) and the test risk after one giant step and a ridge "
+            f"head (power-law spectra, gamma = 1/4, {int(risk.replicates.iloc[0]) if len(risk) else 0} "
+            "replicates, each method's spike norm tuned on validation data; mean and two SE).")
+
+
 # ------------------------------------------------------------------------------------------- the table
 def _registry() -> dict[str, PaperRun]:
     runs = [
+        PaperRun("ch11_linrep_fig1", "11_linrep_experiments",
+                 "Figure 1: the eight methods on one linear-representation problem, anisotropic and isotropic, "
+                 "NGD, Adam and Shampoo tuned at the profile's sizes",
+                 ch11_linrep_fig1,
+                 {p: (lambda p=p: _ch11_grid(p)) for p in _PROFILES},
+                 _ch11_flops, ("linrep", "linrep_baselines", "checks"),
+                 note="one cell per method; a tuned method's cell runs its grid search (the chapter's rule) "
+                      "on the tuning problem at the same sizes first; K-FAC's stability sweep over NGD's grid is "
+                      "not part of this grid",
+                 summary=_summary_ch11),
+        PaperRun("ch12_single_index", "12_single_index_giant_step",
+                 "the correlation figure (cosine against damping, three anisotropies and aspect ratios) and the "
+                 "test risk after one giant step",
+                 ch12_single_index,
+                 {"quick": lambda: _ch12_grid(80, 6, 40, 4, 400),
+                  "standard": lambda: _ch12_grid(200, 16, 120, 8, 2000),
+                  "paper": lambda: _ch12_grid(1000, 20, 800, 16, 2000)},
+                 _ch12_flops, ("singleindex", "rmt"),
+                 note="the digest's sizes: d = 1000 for the correlation figure (n = 4000, 1000, 500), "
+                      "d = m = 800 and n = 3200 for the test risk",
+                 summary=_summary_ch12),
         PaperRun("ch20_gn_flows", "20_meanfield_gn_flows",
                  "GN with adaptive and constant damping, and the damping-floor runs (sigma_0 x floor)",
                  ch20_gn_flows,
