@@ -304,7 +304,7 @@ def main(quick: bool = False) -> list:
     if importlib.util.find_spec("curvlinops") is None:
         print("bench_model: curvlinops is not installed (pip install 'curvlab[test]'); skipped")
         return []
-    dense = {"n": 32 if quick else 128, "d": 32, "width": 24 if quick else 32}  # p = 1642 / 2474: dense p x p fits
+    dense = {"n": 32 if quick else 128, "d": 32, "width": 24 if quick else 32}  # p = 1642 / 2442: dense p x p fits
     large = {"n": 32 if quick else 128, "d": 784, "width": 1024, "dtype": "float32"}  # p = 1.86e6: it would not
     repeats = 3 if quick else 5
     tables = []
