@@ -425,7 +425,10 @@ def _tiny(name, keep=None):
              "ch21_regimes": dict(n=12, m=8, n_test=16, seeds=[0], max_steps=3),
              "ch22_real_data": dict(n=10, m=6, n_test=16, seeds=[0], max_steps=2),
              "ch30_mp_limit": dict(R=3), "ch31_depth_law": dict(depths=[32, 40], R=2),
-             "ch32_leaky": dict(R=1, n_images=8)}[name]
+             "ch32_leaky": dict(R=1, n_images=8),
+             "ch11_linrep_fig1": dict(d=10, k=2, d_y=4, n=30, steps=4, seeds=2, tune_seeds=1, tune_steps=3,
+                                      record_every=2),
+             "ch12_single_index": dict(d=16, replicates=3, m=16, n_test=40)}[name]
     r = paper_runs.get(name)
     cfgs = r.configs("quick")
     cfgs = [dict(c, **small) for c in (cfgs[:2] + cfgs[-1:] if len(cfgs) > 2 else cfgs)]
@@ -434,7 +437,7 @@ def _tiny(name, keep=None):
 
 
 @pytest.mark.parametrize("name", ["ch20_gn_flows", "ch21_regimes", "ch22_real_data", "ch30_mp_limit",
-                                  "ch31_depth_law", "ch32_leaky"])
+                                  "ch31_depth_law", "ch32_leaky", "ch11_linrep_fig1", "ch12_single_index"])
 def test_paper_run_summary_draws_its_frame(name):
     from curvlab import paper_runs
 
@@ -537,3 +540,90 @@ def test_hidden_learning_summary_bands_span_the_seeds_of_the_best_step():
     fig, _, _ = paper_runs.get("ch21_regimes").summary(pd.DataFrame(rows))
     gn_band = fig.axes[0].collections[0].get_paths()[0].vertices[:, 1]
     assert np.isclose(gn_band.min(), 0.11) and np.isclose(gn_band.max(), 0.31)   # lr = 1 (best), all three seeds
+
+
+# ------------------------------------------------------------------------------ Part I's paper-scale grids
+
+
+def test_ch11_grid_is_the_chapter_config_file():
+    """The registry's copy of notebooks/configs/linrep_fig1.yml (a pip-installed curvlab has no notebooks folder)
+    equals the file, in every profile: sizes, problem, fixed settings and tuning grids."""
+    from pathlib import Path
+
+    import yaml
+
+    from curvlab import paper_runs
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "notebooks/configs/linrep_fig1.yml").read_text())
+    at = lambda node, prof: node[prof] if isinstance(node, dict) else node  # noqa: E731
+    for prof in ("quick", "standard", "paper"):
+        cells = paper_runs.get("ch11_linrep_fig1").configs(prof)
+        assert [c["method"] for c in cells] == ["AMGD", "K-FAC", "DFW", "NGD", "Adam", "Shampoo",
+                                                "whitening+AMGD", "batchnorm+AMGD"]
+        for c in cells:
+            for key in ("d", "k", "d_y", "kappa_x", "kappa_F", "x_dist", "noise", "transfer_kappa", "tune_seed"):
+                assert c[key] == at(cfg["problem"][key], prof), (prof, key)
+            assert c["problem_seed"] == cfg["problem"]["seed"]
+            assert c["iso_kappa_x"] == cfg["isotropic_control"]["kappa_x"]
+            for key in ("n", "steps", "seeds", "tune_seeds", "tune_steps", "record_every"):
+                assert c[key] == at(cfg["run"][key], prof), (prof, key)
+            if c["method"] in ("NGD", "Adam", "Shampoo"):
+                assert c["hp"] is None and json.loads(c["grid"]) == cfg["grids"][c["method"]]
+            else:
+                assert c["grid"] is None and json.loads(c["hp"]) == cfg["methods"][c["method"]]
+
+
+def test_ch11_cell_tunes_by_the_chapter_rule_and_runs_both_problems():
+    """A tuned method's cell picks the grid value of smallest mean tail score (grid_scores, the chapter's rule),
+    flags a choice at the grid's edge, and reports the traces of every seed on both problems."""
+    from curvlab import linrep_baselines as baselines
+    from curvlab import paper_runs
+
+    base = dict(paper_runs.get("ch11_linrep_fig1").configs("quick")[4])            # Adam
+    base.update(d=10, k=2, d_y=4, n=30, steps=6, seeds=2, tune_seeds=2, tune_steps=4, record_every=2,
+                grid=json.dumps({"eta_G": [1e-3, 0.1, 1.0]}))
+    f = paper_runs.ch11_linrep_fig1(**base)
+    assert set(f.problem) == {"anisotropic", "isotropic"} and f.tuned.all()
+    assert len(f) == 2 * 2 * 4 and f.groupby("problem").seed.nunique().eq(2).all()   # steps 0, 2, 4, 6
+    hp = json.loads(f.hp_used.iloc[0])
+    # the same rule by hand: the tuning problem's first seeds, generator seed 1
+    from dataclasses import fields, replace
+
+    from curvlab import linrep
+
+    tun = linrep.linrep_problem(2, d=10, k=2, d_y=4, kappa_x=100, kappa_F=3, x_dist="rademacher", noise=0.1,
+                                transfer_kappa=100, seed=base["tune_seed"])
+    tun = replace(tun, **{x.name: getattr(tun, x.name)[:2] for x in fields(tun)
+                          if torch.is_tensor(getattr(tun, x.name))})
+    cells = baselines.grid_scores("Adam", tun, 4, 30, {}, {"eta_G": [1e-3, 0.1, 1.0]}, record_every=2, seed=1)
+    best = min(cells, key=lambda c: c[1].mean())
+    assert hp == best[0] and np.isclose(f.tune_score.iloc[0], best[1].mean())
+    assert (f.tuned_at_edge.iloc[0] == "eta_G") == (hp["eta_G"] in (1e-3, 1.0))
+    fixed = paper_runs.ch11_linrep_fig1(**{**base, "method": "K-FAC", "grid": None,
+                                           "hp": json.dumps({"eta_G": 0.5, "lam_G": 1e-3, "lam_F": 0.0})})
+    assert not fixed.tuned.any() and np.isnan(fixed.tune_score).all()
+
+
+def test_ch12_cells_hold_simulation_theory_and_risk():
+    from curvlab import paper_runs
+
+    c = paper_runs.ch12_single_index("correlation", 16.0, 0.25, 24, 3, 12)
+    sim = c[c.source == "simulation"]
+    assert len(sim) == 3 * 7 and set(sim.estimator) == {"K-FAC", "SGD"}
+    assert ((c.cos > -1) & (c.cos <= 1)).all() and len(c[(c.source == "theory") & (c.estimator == "K-FAC")]) == 80
+    r = paper_runs.ch12_single_index("risk", 10.0, 0.25, 12, 2, 12, m=12, n_test=40)
+    assert set(r.method) == {"RF", "SGD", "K-FAC"} and (r.rel_risk > 0).all() and r.lam_G.nunique() == 1
+    with pytest.raises(ValueError, match="kind"):
+        paper_runs.ch12_single_index("bias", 1.0, 0.25, 12, 2, 12)
+
+
+@pytest.mark.parametrize("name", ["ch11_linrep_fig1", "ch12_single_index"])
+def test_part_one_paper_frames_are_committed(name):
+    """Part I's grids were run at the paper's sizes and committed: the whole paper grid, with its provenance."""
+    from curvlab import paper_runs
+
+    got = paper_runs.committed(name, "paper")
+    assert got is not None, f"no committed paper frame for {name}: run tools/run_sweeps.py --profile paper --export"
+    prov = got.provenance
+    assert prov["profile"] == "paper" and prov["cells"] == len(paper_runs.get(name).configs("paper"))
+    assert prov["wall_s"] > 0 and prov["devices"] and prov["revisions"] and len(got.frame) == prov["rows"]
