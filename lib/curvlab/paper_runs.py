@@ -180,7 +180,7 @@ def _ch11_flops(method, grid, d, k, d_y, n, steps, seeds, tune_seeds, tune_steps
 
 
 # ---------------------------------------------------------------- chapter 12: the single-index giant step
-#: The chapter's protocol (notebooks/12_single_index_giant_step): the link tanh(2 z), the six dampings of the
+#: The protocol of chapter 12 (notebooks/12_single_index_giant_step) - the link tanh(2 z), the six dampings of the
 #: simulated points and 80 of the theory curves, the held-out grid of 11 dampings, the spike norms theta.
 _CH12_LAMS = (1e-3, 1e-2, None, 1.0, 10.0, 100.0)   # None: the optimal damping lambda_G* of the chapter's setting
 _CH12_THETAS = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -251,6 +251,18 @@ def _ch12_flops(kind, d, gamma, replicates, m=None, n_test=None, **_):
     ev = 2 * (n + 2 * n_test) * m * d + 2 * n * m * m + m ** 3 / 3
     pilot = 8 * (n * d * d + 9 * d ** 3)
     return replicates * (11 * ev + 2 * (2 * n * m * d) + 2 * 9 * m * d * min(m, d)) + pilot
+
+
+def _resnet_cell():
+    from .resnet import pruned_resnet_cell
+
+    return pruned_resnet_cell
+
+
+def _resnet_flops(*args: Any, **kw: Any) -> float:
+    from .resnet import pruned_resnet_flops
+
+    return pruned_resnet_flops(*args, **kw)
 
 
 # ----------------------------------------------------------------------------------- chapter 20: GN flows
@@ -578,6 +590,39 @@ def _summary_ch32(f: pd.DataFrame):
             "over networks); dashed: the chapter's bound where it is finite.")
 
 
+def _summary_ch32_pruned(f: pd.DataFrame):
+    import matplotlib.pyplot as plt
+
+    from . import plotting
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9.6, 3.6))
+    first, last = f[f.step == 0], f[f.step == f.groupby(["rate", "seed"]).step.transform("max")]
+    for frame, method, label in ((first, "kappa", "at initialisation"), (last, "GN", "after training")):
+        st = frame.groupby("rate")["kappa"].agg(["median", "min", "max"])
+        plotting.band(a, 100 * st.index, st["min"], st["max"], method)
+        plotting.plot(a, 100 * st.index, st["median"], method, markevery=1, label=label)
+    a.set(yscale="log", xlabel="pruned weights (%)", ylabel=r"$\kappa(\mathrm{GN})$, nonzero spectrum")
+    a.legend(fontsize="x-small")
+    rates = sorted(set(f.rate))
+    for color, rate in zip(_shades(len(rates)), rates):
+        g = f[f.rate == rate].copy()
+        g["rel"] = g.loss / g.groupby("seed").loss.transform("first")
+        med = g.groupby("step").rel.median()
+        plotting.plot(b, med.index, med.to_numpy(), "GD", color=color, markevery=1, label=f"{100 * rate:.0f} %")
+    b.set(yscale="log", xlabel="gradient-descent step", ylabel="training loss / initial loss")
+    b.legend(fontsize="x-small", title="pruned", title_fontsize="x-small")
+    fig.tight_layout()
+    n, width = (int(f[c].iloc[0]) if c in f else "?" for c in ("n", "width"))
+    data = f["dataset"].iloc[0] if "dataset" in f else "?"
+    return (fig, "Left: condition number against the pruning rate, at initialisation and after training, median "
+                 "line with min-max band on a log axis. Right: median relative training loss against the step, one "
+                 "line per pruning rate.",
+            f"ResNet-20 (base width {width}) pruned layer-wise by magnitude at initialisation, {n} images of "
+            f"{data}: left, kappa(GN) over the nonzero spectrum at initialisation and after full-batch gradient "
+            "descent (median over seeds, band min to max); right, the median training loss relative to its "
+            "initial value, one line per pruning rate.")
+
+
 def _hp_text(v: Any) -> str:
     hp = json.loads(v) if isinstance(v, str) else dict(v)
     return ", ".join(f"{k} = {hp[k]:g}" for k in sorted(hp) if isinstance(hp[k], (int, float))
@@ -742,6 +787,22 @@ def _registry() -> dict[str, PaperRun]:
                   "paper": lambda: _sweep.grid(m=[8, 12, 16, 32, 64, 128, 256, 512], R=[20], n_images=[24],
                                                seed=[0])},
                  _ch32_flops, ("deep_linear",), summary=_summary_ch32, in_book=True),
+        PaperRun("ch32_pruned_resnet", "32_gn_conditioning_leaky_relu",
+                 "ResNet-20 pruned layer-wise by magnitude at initialisation: kappa(GN) over the nonzero spectrum "
+                 "(rank, gap) and the training loss, over pruning rates and seeds",
+                 _resnet_cell(),
+                 {"quick": lambda: _sweep.grid(rate=[0.0, 0.4, 0.8], n=[16], seeds=[[0, 1]], steps=[20], every=[10],
+                                               width=[4], dataset=["digits"], lr=[1e-3]),
+                  "standard": lambda: _sweep.grid(rate=[0.0, 0.2, 0.4, 0.6, 0.8], n=[32], seeds=[[0, 1, 2]],
+                                                  steps=[60], every=[20], width=[8], dataset=["digits"], lr=[3e-4]),
+                  "paper": lambda: _sweep.grid(rate=[0.0, 0.2, 0.4, 0.6, 0.8], n=[1000], seeds=[[0, 1, 2, 3, 4]],
+                                               steps=[300], every=[25], width=[16], dataset=["cifar10"],
+                                               lr=[3e-4])},
+                 _resnet_flops, ("resnet", "conv", "curvature"),
+                 data=("CIFAR-10 (python batches, $CURVLAB_CIFAR10_DIR)",),
+                 note="the GN Gram is (10 n) x (10 n), 10 000 x 10 000 at n = 1000, built from per-sample Jacobians "
+                      "in blocks (2 GiB); quick and standard run digits at 16 x 16 over three channels as a "
+                      "stand-in", summary=_summary_ch32_pruned),
     ]
     return {r.name: r for r in runs}
 
