@@ -611,7 +611,6 @@ def _summary_ch32_pruned(f: pd.DataFrame):
         plotting.plot(b, med.index, med.to_numpy(), "GD", color=color, markevery=1, label=f"{100 * rate:.0f} %")
     b.set(yscale="log", xlabel="gradient-descent step", ylabel="training loss / initial loss")
     b.legend(fontsize="x-small", title="pruned", title_fontsize="x-small")
-    fig.tight_layout()
     n, width = (int(f[c].iloc[0]) if c in f else "?" for c in ("n", "width"))
     data = f["dataset"].iloc[0] if "dataset" in f else "?"
     return (fig, "Left: condition number against the pruning rate, at initialisation and after training, median "
