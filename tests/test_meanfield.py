@@ -541,8 +541,18 @@ def test_gn_flow_matches_scipy_on_the_dense_torch_func_field():
         assert err < 1e-7
         assert 10 < err_half / err < 22  # fourth order: halving the step divides the error by about 16
     h = fl.history
-    assert set(h.columns) >= {"entry", "step", "fs_time", "loss", "rel_loss", "lam_min_K", "travel"}
+    assert set(h.columns) >= {"entry", "step", "fs_time", "loss", "rel_loss", "lam_min_K", "travel", "speed"}
     assert (h.groupby("entry").rel_loss.diff().dropna() <= 1e-15).all()  # the loss never increases (prop 3)
+    for s in range(2):  # the recorded speed at t = 0 is |field| from the dense Jacobian
+        ps = p.map(lambda t: t[s])
+        fn = mf.model_fn(X[s], ps.m, "silu")
+        th = mf.flatten(ps)
+        J, r = cv.jacobian(fn, th), fn(th) - Y[s]
+        dense = (J.T @ torch.linalg.solve(J @ J.T + eps[s] * torch.eye(4, dtype=F64), r)).norm()
+        first = h[(h.entry == s) & (h.step == 0)].speed.iloc[0]
+        assert first == pytest.approx(float(dense), rel=1e-10)
+        # part 3 of the book's Proposition 1: |field| <= |r_0| / (2 sqrt(eps)) all along the damped flow
+        assert (h[h.entry == s].speed <= float(r.norm()) / (2 * float(eps[s]) ** 0.5) * (1 + 1e-12)).all()
 
 
 def test_gn_flow_worst_case_decays_at_the_proposition_rate():

@@ -978,8 +978,8 @@ def gn_flow(params0: MFParams, X, Y, act: str, *, eps, t_end, steps: int, record
     (leading dimension of ``params0``): a sweep over seeds and dampings is one batched integration. The error of
     RK4 is :math:`O(h^4)`, :math:`h=t_{\mathrm{end}}/\texttt{steps}`; halve ``steps`` and compare to estimate it.
     Records every ``record_every`` steps (and the last): ``entry``, ``step``, ``fs_time``, ``loss``, ``rel_loss``,
-    ``lam_min_K`` (:math:`\lmin(K)` at the recorded point) and ``travel`` :math:`\lVert\theta-\theta_0\rVert`
-    (all parameters).
+    ``lam_min_K`` (:math:`\lmin(K)` at the recorded point), ``travel`` :math:`\lVert\theta-\theta_0\rVert`
+    (all parameters) and ``speed`` :math:`\lVert\Delta_{\mathrm{GN}}\rVert` (the field's norm there).
     """
     params0 = _check_params(params0, "params0")
     if len(params0.batch_shape) != 1:
@@ -1010,11 +1010,11 @@ def gn_flow(params0: MFParams, X, Y, act: str, *, eps, t_end, steps: int, record
             if loss0 is None:
                 loss0 = cur
             if rec:
-                travel = (flatten(p) - theta0).norm(dim=-1)
+                travel, speed = (flatten(p) - theta0).norm(dim=-1), flatten(k1).norm(dim=-1)
                 for e_ in range(B):
                     rows.append({"entry": e_, "step": k, "fs_time": float(h[e_]) * k, "loss": float(cur[e_]),
                                  "rel_loss": float(cur[e_] / loss0[e_]), "lam_min_K": float(lmin[e_]),
-                                 "travel": float(travel[e_])})
+                                 "travel": float(travel[e_]), "speed": float(speed[e_])})
             if k == steps:
                 break
             k2 = _flow_field(p.axpy(-h / 2, k1), X, Y, act, eps_t, False)[0]
