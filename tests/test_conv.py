@@ -258,3 +258,59 @@ def test_train_pruned_many_matches_single_runs_and_bad_input():
     diverged = cv.train_pruned_many(nets[:1], masks[:1], X, Y * 1e3, lr=1e3, steps=8, every=4)   # a step far too large
     assert math.isfinite(diverged.kappa.iloc[0]) and not math.isfinite(diverged.loss.iloc[-1])
     assert math.isnan(diverged.kappa.iloc[-1]) and diverged["rank"].iloc[-1] == 0       # recorded, not raised
+
+
+def test_train_pruned_many_counterfactual_variants():
+    # "zeroed": plain GD over every weight from W * M; "frozen": GD over the kept weights from W, the others held at
+    # their initial values; step 0 of each holds the spectra of pruning_counterfactuals
+    torch.manual_seed(4)
+    net = cv.ResidualCNN(c=3, blocks=1, d_y=3, image=4)
+    X, Y = torch.randn(5, 16, dtype=F64, generator=gen(14)), torch.randn(5, 3, dtype=F64, generator=gen(15))
+    masks = cv.magnitude_masks_net(net, 0.5)
+    hist = cv.train_pruned_many([net] * 3, [masks] * 3, X, Y, lr=0.1, steps=4, every=4,
+                                variant=["pruned", "zeroed", "frozen"], spectrum=True)
+    assert list(hist.variant.unique()) == ["pruned", "zeroed", "frozen"]
+    names = [k for k, _ in net.named_parameters()]
+    full = {k: p.detach() for k, p in net.named_parameters()}
+    for b, start, train in ((1, {k: full[k] * masks[k] for k in names}, {k: torch.ones_like(masks[k]) for k in names}),
+                            (2, dict(full), masks)):
+        P = dict(start)
+        for _ in range(4):
+            g = torch.func.grad(lambda p: (torch.func.functional_call(net, p, (X,)) - Y).square().sum() / 10)(P)
+            P = {k: P[k] - 0.1 * g[k] * train[k] for k in names}
+        ref = float((torch.func.functional_call(net, P, (X,)) - Y).square().sum() / 10)
+        assert hist[(hist.net == b) & (hist.step == 4)].loss.iloc[0] == pytest.approx(ref, rel=1e-10)
+    frozen_end = hist[(hist.net == 2) & (hist.step == 4)]
+    assert frozen_end.eig.iloc[0][0] == pytest.approx(frozen_end.lambda_max.iloc[0], rel=1e-12)
+    cf = cv.pruning_counterfactuals(net, X, [0.5]).iloc[0]
+    at0 = hist[hist.step == 0].set_index("variant")
+    for v, tag in (("pruned", ""), ("zeroed", "_zeroed"), ("frozen", "_frozen")):
+        torch.testing.assert_close(torch.tensor(at0.eig[v]), torch.tensor(cf["eig" + tag]), rtol=0,
+                                   atol=1e-12 * float(cf["lambda_max" + tag]))
+    light = cv.pruning_counterfactuals(net, X, [0.0, 0.5], spectra=False)
+    assert "kappa" not in light and list(light["head rank"]) == [3, int(cf["head rank"])]
+    with pytest.raises(ValueError, match="variant must be"):
+        cv.train_pruned_many([net], [masks], X, Y, lr=0.1, steps=1, every=1, variant="frozen-zeroed")
+    with pytest.raises(ValueError, match="variant must be"):
+        cv.train_pruned_many([net, net], [masks, masks], X, Y, lr=0.1, steps=1, every=1, variant=["pruned"])
+    with pytest.raises(TypeError, match="spectrum must be"):
+        cv.train_pruned_many([net], [masks], X, Y, lr=0.1, steps=1, every=1, spectrum="yes")
+    with pytest.raises(TypeError, match="spectra must be"):
+        cv.pruning_counterfactuals(net, X, [0.5], spectra=1)
+
+
+def test_kappa_at_rank_compares_spectra_at_the_smallest_rank_of_a_group():
+    import numpy as np
+    import pandas as pd
+
+    e_full = np.array([4.0, 2.0, 1.0, 0.5])
+    e_low = np.array([3.0, 1.5, 0.25, 0.0])                     # numerical rank 3
+    frame = pd.DataFrame({"seed": [0, 0, 1, 1], "eig": [e_full, e_low, e_full, None]})
+    out = cv.kappa_at_rank(frame, ["seed"])
+    assert list(out.r_star[:2]) == [3, 3] and out.r_star[2] == 4
+    assert out.kappa_r_star[0] == pytest.approx(4.0) and out.kappa_r_star[1] == pytest.approx(12.0)
+    assert out.kappa_r_star[2] == pytest.approx(8.0) and math.isnan(out.kappa_r_star[3])
+    with pytest.raises(ValueError, match="by must name"):
+        cv.kappa_at_rank(frame, ["rate"])
+    with pytest.raises(ValueError, match="frame must be"):
+        cv.kappa_at_rank(frame.drop(columns="eig"), ["seed"])

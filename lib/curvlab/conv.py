@@ -80,6 +80,8 @@ __all__ = [
     "pruning_counterfactuals",
     "train_pruned",
     "train_pruned_many",
+    "TRAINING_VARIANTS",
+    "kappa_at_rank",
 ]
 
 
@@ -535,7 +537,7 @@ def layer_sigma_min(net, masks) -> dict[str, float]:
     return out
 
 
-def pruning_counterfactuals(net, X, rates) -> pd.DataFrame:
+def pruning_counterfactuals(net, X, rates, *, spectra: bool = True) -> pd.DataFrame:
     r"""For one network and each pruning ``rate``: the spectrum of the Gram matrix (divided by ``n``) of
 
     * the **pruned** network: the kept weights, at the pruned weights :math:`W\odot M` (``eig``, ``kappa``, ...);
@@ -547,23 +549,27 @@ def pruning_counterfactuals(net, X, rates) -> pd.DataFrame:
     with :math:`\kappa` over the nonzero spectrum, rank and gap (:func:`curvlab.curvature.condition_number`), and the
     layers' :math:`\sigma_{\min}` after pruning relative to before (median and minimum over layers,
     :func:`layer_sigma_min`), and the rank of the pruned read-out (the last layer). One Jacobian at :math:`W` serves
-    every rate (:func:`jacobian_all`)."""
+    every rate (:func:`jacobian_all`). With ``spectra=False`` only the last two (no Jacobian is computed): the
+    spectra along training come from :func:`train_pruned_many`, whose step 0 holds the same three spectra."""
     from .curvature import condition_number
 
     net = _check_net(net)
     X = config.spectral(check_matrix("X", X))
-    n, J0 = X.shape[0], jacobian_all(net, X)
+    if not isinstance(spectra, bool):
+        raise TypeError(f"spectra must be True or False, got {spectra!r}")
+    n, J0 = X.shape[0], jacobian_all(net, X) if spectra else None
     s0 = layer_sigma_min(net, magnitude_masks_net(net, 0.0))
     rows = []
     for rate in rates:
         masks = magnitude_masks_net(net, rate)
-        keep, Jr = flat_mask(net, masks), jacobian_all(net, X, masks)
         row = {"rate": float(rate)}
-        for tag, G in (("", kept_gram(Jr, keep)), ("_zeroed", kept_gram(Jr)), ("_frozen", kept_gram(J0, keep))):
-            lam = torch.linalg.eigvalsh(G / n).flip(0)
-            c = condition_number(lam)
-            row.update({f"kappa{tag}": c.kappa, f"rank{tag}": c.rank, f"gap{tag}": c.gap,
-                        f"lambda_max{tag}": c.lambda_max, f"eig{tag}": lam.cpu().numpy()})
+        if spectra:
+            keep, Jr = flat_mask(net, masks), jacobian_all(net, X, masks)
+            for tag, G in (("", kept_gram(Jr, keep)), ("_zeroed", kept_gram(Jr)), ("_frozen", kept_gram(J0, keep))):
+                lam = torch.linalg.eigvalsh(G / n).flip(0)
+                c = condition_number(lam)
+                row.update({f"kappa{tag}": c.kappa, f"rank{tag}": c.rank, f"gap{tag}": c.gap,
+                            f"lambda_max{tag}": c.lambda_max, f"eig{tag}": lam.cpu().numpy()})
         head = list(net.named_parameters())[-1]
         row["head rank"] = int(torch.linalg.matrix_rank(config.spectral(head[1].detach() * masks[head[0]])))
         ratio = [v / s0[k] for k, v in layer_sigma_min(net, masks).items()]
@@ -571,6 +577,33 @@ def pruning_counterfactuals(net, X, rates) -> pd.DataFrame:
                     "sigma_min ratio (min)": float(min(ratio))})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def kappa_at_rank(frame: pd.DataFrame, by: Sequence[str], eig: str = "eig") -> pd.DataFrame:
+    r"""Condition numbers compared at one rank: within each group of rows sharing the columns ``by``, the common
+    rank :math:`r_\star` is the smallest number of positive entries of the spectra in column ``eig`` (decreasing
+    eigenvalues, as :func:`train_pruned_many` returns with ``spectrum=True``: only the numerically nonzero ones are
+    positive after the cut below), and each row gets :math:`\lambda_{r_\star}` and
+    :math:`\kappa_{r_\star}=\lambda_1/\lambda_{r_\star}`. Spectra of different rank (a pruned read-out loses
+    rank) are then compared over the same number of eigenvalues. The cut is the numerical rank of
+    :func:`curvlab.curvature.condition_number` (its default tolerance). Rows whose ``eig`` is None (a diverged run)
+    get NaN. Returns a frame with ``r_star``, ``lambda_r_star``, ``kappa_r_star``, indexed like ``frame`` (chapter 32)."""
+    from .curvature import condition_number
+
+    if not isinstance(frame, pd.DataFrame) or eig not in frame.columns:
+        raise ValueError(f"frame must be a DataFrame with a column {eig!r} of spectra (train_pruned_many(..., "
+                         "spectrum=True))")
+    by = [by] if isinstance(by, str) else list(by)
+    missing = [b for b in by if b not in frame.columns]
+    if missing:
+        raise ValueError(f"by must name columns of frame; missing {missing}")
+    ranks = pd.Series([condition_number(e).rank if e is not None else math.nan for e in frame[eig]], index=frame.index)
+    r_star = ranks.groupby([frame[b] for b in by]).transform("min")
+    lam = [float(e[int(r) - 1]) if e is not None and math.isfinite(r) else math.nan for e, r in zip(frame[eig], r_star)]
+    out = pd.DataFrame({"r_star": r_star, "lambda_r_star": lam}, index=frame.index)
+    out["kappa_r_star"] = [float(e[0]) / v if e is not None and math.isfinite(v) else math.nan
+                           for e, v in zip(frame[eig], out.lambda_r_star)]
+    return out
 
 
 def _check_lr(lr, count: int) -> torch.Tensor:
@@ -583,14 +616,38 @@ def _check_lr(lr, count: int) -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.float64)
 
 
-def train_pruned_many(nets, masks, X, Y, *, lr, steps: int, every: int, show_progress: bool = False) -> pd.DataFrame:
+#: What :func:`train_pruned_many` trains for a network ``W`` and its mask ``M`` (chapter 32's counterfactuals).
+TRAINING_VARIANTS = {
+    "pruned": "start at W * M, train the kept weights (the pruned network)",
+    "zeroed": "start at W * M, train every weight (zeroed, all trainable: no direction removed)",
+    "frozen": "start at W, train the kept weights, the others held at their initial values (frozen, not zeroed)",
+}
+
+
+def _check_variants(variant, count: int) -> list[str]:
+    vals = [variant] * count if isinstance(variant, str) else list(variant) if isinstance(variant, (list, tuple)) \
+        else None
+    if vals is None or len(vals) != count or not all(isinstance(v, str) and v in TRAINING_VARIANTS for v in vals):
+        raise ValueError(f"variant must be one of {sorted(TRAINING_VARIANTS)}, or a list of {count} of them (one per "
+                         f"network), got {variant!r}")
+    return vals
+
+
+def train_pruned_many(nets, masks, X, Y, *, lr, steps: int, every: int, variant="pruned", spectrum: bool = False,
+                      show_progress: bool = False) -> pd.DataFrame:
     r"""Full-batch gradient descent on :math:`\frac1{2n}\lVert f(X)-Y\rVert^2` over the kept weights of several
     pruned networks of the same architecture at once (``torch.func.vmap`` over the networks; the pruned weights stay
     at zero). ``lr`` is one step or one per network. Returns a frame with ``net`` (the index in ``nets``),
-    ``step``, ``loss`` and, from the Jacobian Gram over the kept weights, ``kappa``, ``rank``, ``gap`` and
-    ``lambda_max`` at every ``every`` steps and at the end (NaN once a network's loss is no longer finite: the step
-    was too large for it). The networks are not modified. ``show_progress`` shows a bar over the steps
-    (:func:`curvlab.progress.progress`)."""
+    ``variant``, ``step``, ``loss`` and, from the Jacobian Gram over the trained weights at the current weights,
+    ``kappa``, ``rank``, ``gap`` and ``lambda_max`` at every ``every`` steps and at the end (NaN once a network's
+    loss is no longer finite: the step was too large for it); with ``spectrum`` also ``eig``, that Gram's
+    eigenvalues divided by ``n`` in decreasing order (a NumPy array; None after divergence). The networks are not
+    modified. ``show_progress`` shows a bar over the steps (:func:`curvlab.progress.progress`).
+
+    ``variant`` (one for all networks, or one per network; :data:`TRAINING_VARIANTS`) runs chapter 32's
+    counterfactuals along training: ``"pruned"`` (the default) starts at :math:`W\odot M` and trains the kept
+    weights; ``"zeroed"`` starts at :math:`W\odot M` and trains every weight; ``"frozen"`` starts at :math:`W`
+    and trains the kept weights, the others held at their initial, nonzero values."""
     if not isinstance(nets, (list, tuple)) or not nets:
         raise ValueError("nets must be a non-empty list of networks")
     nets = [_check_net(net) for net in nets]
@@ -607,12 +664,18 @@ def train_pruned_many(nets, masks, X, Y, *, lr, steps: int, every: int, show_pro
         raise ValueError(f"Y must have n = {X.shape[0]} rows, got {tuple(Y.shape)}")
     eta = _check_lr(lr, len(nets)).to(X.device)
     steps, every = check_int("steps", steps, min_value=0), check_int("every", every, min_value=1)
+    variants = _check_variants(variant, len(nets))
+    if not isinstance(spectrum, bool):
+        raise TypeError(f"spectrum must be True or False, got {spectrum!r}")
     from .curvature import condition_number
 
     base, n = nets[0], X.shape[0]
-    M = {k: torch.stack([m[k] for m in masks]).to(X) for k, _ in shapes}
-    P = {k: torch.stack([dict(net.named_parameters())[k].detach() for net in nets]).to(X) * M[k] for k, _ in shapes}
-    keep = [flat_mask(net, m).to(X) for net, m in zip(nets, masks)]
+    trained = [{k: torch.ones_like(m[k]) for k in m} if v == "zeroed" else m for m, v in zip(masks, variants)]
+    start = [{k: torch.ones_like(m[k]) for k in m} if v == "frozen" else m for m, v in zip(masks, variants)]
+    M = {k: torch.stack([m[k] for m in trained]).to(X) for k, _ in shapes}
+    P = {k: torch.stack([dict(net.named_parameters())[k].detach() * s0[k] for net, s0 in zip(nets, start)]).to(X)
+         for k, _ in shapes}
+    keep = [flat_mask(net, m).to(X) for net, m in zip(nets, trained)]
 
     def losses(P):
         out = torch.func.vmap(lambda p: torch.func.functional_call(base, p, (X,)))(P)
@@ -626,12 +689,17 @@ def train_pruned_many(nets, masks, X, Y, *, lr, steps: int, every: int, show_pro
         if t % every == 0 or t == steps:
             loss = losses(P)
             for b in range(len(nets)):
-                row = {"net": b, "step": t, "loss": float(loss[b]), "kappa": math.nan, "rank": 0, "gap": math.nan,
-                       "lambda_max": math.nan}
+                row = {"net": b, "variant": variants[b], "step": t, "loss": float(loss[b]), "kappa": math.nan,
+                       "rank": 0, "gap": math.nan, "lambda_max": math.nan}
+                if spectrum:
+                    row["eig"] = None
                 if math.isfinite(row["loss"]):                       # a diverged network keeps NaN curvature
                     J = _jacobian_at(base, {k: v[b] for k, v in P.items()}, X)
-                    c = condition_number(kept_gram(J, keep[b]) / n)
+                    lam = torch.linalg.eigvalsh(kept_gram(J, keep[b]) / n).flip(0)
+                    c = condition_number(lam)
                     row.update(kappa=c.kappa, rank=c.rank, gap=c.gap, lambda_max=c.lambda_max)
+                    if spectrum:
+                        row["eig"] = lam.cpu().numpy()
                 rows.append(row)
         if t < steps:
             g = grad(P)
@@ -646,4 +714,4 @@ def train_pruned(net, masks, X, Y, *, lr: float, steps: int, every: int) -> pd.D
     :func:`train_pruned_many`."""
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"lr must be a finite positive step, got {lr!r}")
-    return train_pruned_many([net], [masks], X, Y, lr=lr, steps=steps, every=every).drop(columns="net")
+    return train_pruned_many([net], [masks], X, Y, lr=lr, steps=steps, every=every).drop(columns=["net", "variant"])
