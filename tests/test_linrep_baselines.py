@@ -306,6 +306,42 @@ def test_grid_scores_are_per_seed_and_tune_takes_their_mean():
         B.grid_scores("Adam", P, 5, 10, {}, {"eta_G": []})
 
 
+def test_speed_score_is_the_area_above_the_level_and_ignores_floors():
+    """A straight log-line from 1 to 1e-2 over 10 steps: the area above 1e-1 is the triangle, 1 decade x 5 steps / 2,
+    per step of the 10-step horizon; any floor below the level does not count; time-to-level is the first hit."""
+    steps = torch.arange(0, 11.0, dtype=torch.float64)
+    line = 10 ** (-steps / 5)                                # log10 d from 0 to -2
+    floor = torch.where(steps <= 5, line, torch.full_like(line, 1e-9))   # same descent, far lower floor
+    flat = torch.ones_like(line)                             # never moves
+    out = {"subspace_distance": torch.stack([line, floor, flat]), "step": steps.expand(3, -1)}
+    area = B.speed_score(out, 0.1)
+    np.testing.assert_allclose(area[:2], [0.25, 0.25], rtol=1e-12)       # (1 * 5 / 2) / 10
+    np.testing.assert_allclose(area[2], 1.0, rtol=1e-12)
+    np.testing.assert_allclose(B.steps_to_level(out, 0.1), [5.0, 5.0, np.inf])
+    assert np.isinf(B.speed_score({**out, "subspace_distance": torch.full((3, 11), float("nan"))}, 0.1)).all()
+    with pytest.raises(ValueError, match="level"):
+        B.speed_score(out, 0.0)
+    with pytest.raises(ValueError, match="metric"):
+        B.speed_score(out, 0.1, metric="loss")
+    with pytest.raises(ValueError, match="rule"):
+        B.score_runs([], 2, "fastest")
+    with pytest.raises(ValueError, match="level"):
+        B.score_runs([], 2, "speed")
+
+
+def test_grid_runs_scored_by_both_rules_equal_grid_scores():
+    P = _problem(S=2)
+    grid = {"eta_G": [0.01, 0.3]}
+    runs = B.grid_runs("Adam", P, 10, 30, {}, grid, record_every=5)
+    tail = B.score_runs(runs, 2, "tail")
+    ref = B.grid_scores("Adam", P, 10, 30, {}, grid, record_every=5)
+    for (h1, s1), (h2, s2) in zip(tail, ref):
+        assert h1 == h2 and np.array_equal(s1, s2)
+    speed = B.score_runs(runs + [({"eta_G": 9.0}, None)], 2, "speed", level=0.1)
+    np.testing.assert_array_equal(speed[0][1], B.speed_score(runs[0][1], 0.1))
+    assert np.isinf(speed[-1][1]).all() and speed[-1][1].shape == (2,)
+
+
 def test_traces_frame_is_tidy():
     P = _problem(S=2)
     outs = {m: B.run_method(m, P, 4, 20, {"eta_G": 0.5, "normalize_step": True}, record_every=2)

@@ -90,8 +90,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "regimes.kernel_change": "returns NaN (K0 = 0 or a NaN entry) instead of a clear error",
     "regimes.summarise": "by=[]: pandas ValueError 'No group keys passed!' names no argument",
     "regimes.plot_metric": "a frame without the x column: KeyError 'm'",
-    "linrep_baselines.grid_scores": "problem=None: AttributeError \"'NoneType' object has no attribute 'Gstar'\"",
-    "linrep_baselines.tune": "problem=None: AttributeError \"'NoneType' object has no attribute 'Gstar'\"",
     "linrep_baselines.traces_frame": "outs=None: AttributeError \"'NoneType' object has no attribute 'items'\"",
     "singleindex.init_network": "device='nodevice': RuntimeError 'Expected one of cpu, cuda, ...' (not naming device)",
     "singleindex.features": "a 1-d X: IndexError 'Dimension out of range'",

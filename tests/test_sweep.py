@@ -567,6 +567,7 @@ def test_ch11_grid_is_the_chapter_config_file():
             assert c["iso_kappa_x"] == cfg["isotropic_control"]["kappa_x"]
             for key in ("n", "steps", "seeds", "tune_seeds", "tune_steps", "record_every"):
                 assert c[key] == at(cfg["run"][key], prof), (prof, key)
+            assert c["speed_level"] == cfg["speed"]["level"]
             if c["method"] in ("NGD", "Adam", "Shampoo"):
                 assert c["hp"] is None and json.loads(c["grid"]) == cfg["grids"][c["method"]]
             else:
@@ -583,7 +584,8 @@ def test_ch11_cell_tunes_by_the_chapter_rule_and_runs_both_problems():
     base.update(d=10, k=2, d_y=4, n=30, steps=6, seeds=2, tune_seeds=2, tune_steps=4, record_every=2,
                 grid=json.dumps({"eta_G": [1e-3, 0.1, 1.0]}))
     f = paper_runs.ch11_linrep_fig1(**base)
-    assert set(f.problem) == {"anisotropic", "isotropic"} and f.tuned.all()
+    assert set(f.problem) == {"anisotropic", "isotropic"} and f.tuned.all() and set(f.rule) == {"tail", "speed"}
+    speed, f = f[f.rule == "speed"], f[f.rule == "tail"]
     assert len(f) == 2 * 2 * 4 and f.groupby("problem").seed.nunique().eq(2).all()   # steps 0, 2, 4, 6
     hp = json.loads(f.hp_used.iloc[0])
     # the same rule by hand: the tuning problem's first seeds, generator seed 1
@@ -599,9 +601,12 @@ def test_ch11_cell_tunes_by_the_chapter_rule_and_runs_both_problems():
     best = min(cells, key=lambda c: c[1].mean())
     assert hp == best[0] and np.isclose(f.tune_score.iloc[0], best[1].mean())
     assert (f.tuned_at_edge.iloc[0] == "eta_G") == (hp["eta_G"] in (1e-3, 1.0))
+    runs = baselines.grid_runs("Adam", tun, 4, 30, {}, {"eta_G": [1e-3, 0.1, 1.0]}, record_every=2, seed=1)
+    fast = min(baselines.score_runs(runs, 2, "speed", level=base["speed_level"]), key=lambda c: c[1].mean())
+    assert json.loads(speed.hp_used.iloc[0]) == fast[0] and len(speed) == len(f)
     fixed = paper_runs.ch11_linrep_fig1(**{**base, "method": "K-FAC", "grid": None,
                                            "hp": json.dumps({"eta_G": 0.5, "lam_G": 1e-3, "lam_F": 0.0})})
-    assert not fixed.tuned.any() and np.isnan(fixed.tune_score).all()
+    assert not fixed.tuned.any() and np.isnan(fixed.tune_score).all() and set(fixed.rule) == {"fixed"}
 
 
 def test_ch12_cells_hold_simulation_theory_and_risk():

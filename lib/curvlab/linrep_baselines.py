@@ -62,6 +62,11 @@ __all__ = [
     "run_normalised",
     "run_method",
     "grid_scores",
+    "grid_runs",
+    "score_runs",
+    "tail_score",
+    "speed_score",
+    "steps_to_level",
     "tune",
     "traces_frame",
     "gradient_drift",
@@ -324,6 +329,107 @@ def run_method(method: str, problem: LinRepProblem, n_steps: int, batch_size: in
     return linrep.run(method, problem, n_steps, batch_size, hp, record_every=record_every, generator=generator)
 
 
+def _check_out(out, metric: str) -> None:
+    if not isinstance(out, dict) or "step" not in out:
+        raise TypeError(f"out must be a run's output (a dict of traces with a 'step' entry), got {type(out).__name__}")
+    if metric not in out:
+        raise ValueError(f"metric must be a recorded trace of the run, one of {sorted(out)}; got {metric!r}")
+
+
+def tail_score(out: dict, metric: str = "transfer_loss", tail: float = 0.1) -> np.ndarray:
+    r"""The chapter's tuning score of one run, **per seed**: :math:`\log_{10}` of ``metric`` averaged over the last
+    ``tail`` fraction of the recorded steps (chapter 11); a seed whose score is not finite scores :math:`+\infty`.
+    It rewards a low *floor* (where a method ends), not speed."""
+    if not 0 < check_positive("tail", tail) <= 1:
+        raise ValueError(f"tail must be in (0, 1], got {tail}")
+    _check_out(out, metric)
+    trace = out[metric]
+    m = max(1, int(round(tail * trace.shape[-1])))
+    per_seed = trace[:, -m:].mean(-1).log10().double().cpu().numpy()
+    return np.where(np.isfinite(per_seed), per_seed, np.inf)
+
+
+def speed_score(out: dict, level: float, metric: str = "subspace_distance") -> np.ndarray:
+    r"""How slowly a run gets down to ``level``, **per seed** (chapter 11): the area between the curve
+    :math:`\log_{10}` ``metric``:math:`_t` and the level, counted only above the level, per step of the horizon,
+
+    .. math:: A = \frac{1}{T}\int_0^T\big(\log_{10} d_t - \log_{10}\ell\big)_+\,dt
+
+    (trapezoid rule over the recorded steps, in decades). A run that drops from :math:`d_0` to :math:`\ell` at a
+    constant log-rate and at time :math:`\tau` has :math:`A = \tau\log_{10}(d_0/\ell)/(2T)`: for a fixed start,
+    :math:`A` is proportional to the time to reach the level. Below the level nothing counts, so with :math:`\ell`
+    above every method's noise floor the score compares *speed*, never floors; unlike a time-to-level it needs no
+    censoring for a run that never gets there. A non-finite trace scores :math:`+\infty`."""
+    level = check_positive("level", level)
+    _check_out(out, metric)
+    trace = out[metric].double().cpu()
+    steps = out["step"][0].double().cpu()
+    if steps.numel() < 2:
+        raise ValueError("speed_score needs at least two recorded steps (record_every <= n_steps)")
+    excess = (trace.log10() - math.log10(level)).clamp(min=0)
+    area = torch.trapezoid(excess, steps, dim=-1) / (steps[-1] - steps[0])
+    area = area.numpy()
+    return np.where(np.isfinite(area), area, np.inf)
+
+
+def steps_to_level(out: dict, level: float, metric: str = "subspace_distance") -> np.ndarray:
+    r"""Per seed, the first recorded step at which ``metric`` is at or below ``level`` (chapter 11); ``inf`` if the
+    run never gets there. Resolution: the run's ``record_every``."""
+    level = check_positive("level", level)
+    _check_out(out, metric)
+    trace, steps = out[metric].double().cpu(), out["step"][0].double().cpu()
+    hit = trace <= level
+    first = torch.where(hit.any(-1), steps[hit.int().argmax(-1)], torch.tensor(float("inf"), dtype=steps.dtype))
+    return first.numpy()
+
+
+def grid_runs(method: str, problem: LinRepProblem, n_steps: int, batch_size: int, base_hp: dict, grid: dict, *,
+              record_every: int = 1, seed: int = 0) -> list:
+    r"""Every combination of ``grid`` (a dict of lists, fixed before the run) on top of ``base_hp``, run on
+    ``problem`` with generator seed ``seed``. Returns ``(hp, out)`` pairs in the order of ``itertools.product``
+    over the grid's keys, ``out`` the run's traces or ``None`` for a run that failed (an error). Score them with
+    :func:`tail_score` (the chapter's floor rule) or :func:`speed_score` (its speed rule) without running twice."""
+    import itertools
+
+    if not isinstance(problem, LinRepProblem):
+        raise TypeError(f"problem must be a LinRepProblem, got {type(problem).__name__}")
+    if not isinstance(base_hp, dict):
+        raise TypeError(f"base_hp must be a dict of hyper-parameters, got {type(base_hp).__name__}")
+    method = check_choice("method", method, tuple(linrep.UPDATES))
+    n_steps, batch_size = check_int("n_steps", n_steps, min_value=1), check_int("batch_size", batch_size, min_value=1)
+    record_every, seed = check_int("record_every", record_every, min_value=1), check_int("seed", seed)
+    if not isinstance(grid, dict) or not grid or not all(isinstance(v, (list, tuple)) and v for v in grid.values()):
+        raise ValueError("grid must be a non-empty dict of non-empty lists of values")
+    keys, runs = list(grid), []
+    for values in itertools.product(*(grid[k] for k in keys)):
+        hp = {**base_hp, **dict(zip(keys, values))}
+        try:
+            out = run_method(method, problem, n_steps, batch_size, hp, record_every=record_every,
+                             generator=torch.Generator().manual_seed(seed))
+        except (ValueError, RuntimeError, torch.linalg.LinAlgError):
+            out = None
+        runs.append((hp, out))
+    return runs
+
+
+def score_runs(runs: list, n_seeds: int, rule: str = "tail", *, metric: str | None = None, tail: float = 0.1,
+               level: float | None = None) -> list:
+    r"""Per-seed scores of :func:`grid_runs`' output by ``rule``: ``"tail"`` (:func:`tail_score`, ``metric``
+    defaults to the transfer loss) or ``"speed"`` (:func:`speed_score` at ``level``, ``metric`` defaults to the
+    subspace distance). A failed run scores :math:`+\infty` on each of its ``n_seeds`` seeds. Lower is better."""
+    rule = check_choice("rule", rule, ("tail", "speed"))
+    n_seeds = check_int("n_seeds", n_seeds, min_value=1)
+    if not isinstance(runs, (list, tuple)) or not all(isinstance(r, tuple) and len(r) == 2 for r in runs):
+        raise TypeError("runs must be grid_runs' list of (hp, out) pairs")
+    if rule == "speed" and level is None:
+        raise ValueError("level is required for rule='speed'")
+    if rule == "tail":
+        score = lambda o: tail_score(o, metric or "transfer_loss", tail)  # noqa: E731
+    else:
+        score = lambda o: speed_score(o, level, metric or "subspace_distance")  # noqa: E731
+    return [(hp, np.full(n_seeds, np.inf) if out is None else score(out)) for hp, out in runs]
+
+
 def grid_scores(method: str, problem: LinRepProblem, n_steps: int, batch_size: int, base_hp: dict, grid: dict, *,
                 metric: str = "transfer_loss", tail: float = 0.1, record_every: int = 1, seed: int = 0):
     r"""Every combination of ``grid`` (a dict of lists, fixed before the run) on top of ``base_hp``, run on
@@ -331,26 +437,12 @@ def grid_scores(method: str, problem: LinRepProblem, n_steps: int, batch_size: i
     the recorded steps (chapter 11). A run that fails (an error) scores :math:`+\infty` on every seed, a seed whose
     score is not finite scores :math:`+\infty`. Returns a list of ``(hp, scores)`` with ``scores`` a float array of
     shape ``(S,)``, in the order of ``itertools.product`` over the grid's keys. Comparing two methods' stability
-    over the same grid and seeds uses these per-seed scores (seeds are the replicates, not grid cells)."""
-    import itertools
-
-    if not isinstance(grid, dict) or not grid or not all(isinstance(v, (list, tuple)) and v for v in grid.values()):
-        raise ValueError("grid must be a non-empty dict of non-empty lists of values")
-    if not 0 < float(tail) <= 1:
+    over the same grid and seeds uses these per-seed scores (seeds are the replicates, not grid cells).
+    :func:`grid_runs` with :func:`score_runs` gives this and the speed rule from one set of runs."""
+    if not 0 < check_positive("tail", tail) <= 1:
         raise ValueError(f"tail must be in (0, 1], got {tail}")
-    keys, cells = list(grid), []
-    for values in itertools.product(*(grid[k] for k in keys)):
-        hp = {**base_hp, **dict(zip(keys, values))}
-        try:
-            out = run_method(method, problem, n_steps, batch_size, hp, record_every=record_every,
-                             generator=torch.Generator().manual_seed(seed))
-            trace = out[metric]
-            m = max(1, int(round(tail * trace.shape[-1])))
-            per_seed = trace[:, -m:].mean(-1).log10().double().cpu().numpy()
-        except (ValueError, RuntimeError, torch.linalg.LinAlgError):
-            per_seed = np.full(problem.Gstar.shape[0], np.inf)
-        cells.append((hp, np.where(np.isfinite(per_seed), per_seed, np.inf)))
-    return cells
+    runs = grid_runs(method, problem, n_steps, batch_size, base_hp, grid, record_every=record_every, seed=seed)
+    return score_runs(runs, problem.Gstar.shape[0], "tail", metric=metric, tail=tail)
 
 
 def tune(method: str, problem: LinRepProblem, n_steps: int, batch_size: int, base_hp: dict, grid: dict, *,

@@ -113,6 +113,7 @@ CH11_CONFIG: dict[str, Any] = {
     "grids": {"NGD": {"eta_G": [0.0625, 0.125, 0.25, 0.5, 1.0], "lam_GN": [1.0e-6, 1.0e-4, 1.0e-2, 1.0, 100.0]},
               "Adam": {"eta_G": [1.0e-3, 3.0e-3, 1.0e-2, 3.0e-2, 1.0e-1, 3.0e-1, 1.0]},
               "Shampoo": {"eta_G": [3.0e-2, 1.0e-1, 3.0e-1, 1.0, 3.0, 10.0, 30.0]}},
+    "speed": {"metric": "subspace_distance", "level": 0.1},
 }
 _CH11_METHODS = ("AMGD", "K-FAC", "DFW", "NGD", "Adam", "Shampoo", "whitening+AMGD", "batchnorm+AMGD")
 
@@ -120,12 +121,14 @@ _CH11_METHODS = ("AMGD", "K-FAC", "DFW", "NGD", "Adam", "Shampoo", "whitening+AM
 def ch11_linrep_fig1(method: str, hp: str | None, grid: str | None, d: int, k: int, d_y: int, kappa_x: float,
                      kappa_F: float, x_dist: str, noise: float, transfer_kappa: float, iso_kappa_x: float,
                      problem_seed: int, tune_seed: int, n: int, steps: int, seeds: int, tune_seeds: int,
-                     tune_steps: int, record_every: int) -> pd.DataFrame:
+                     tune_steps: int, record_every: int, speed_level: float = 0.1) -> pd.DataFrame:
     """Chapter 11's Figure 1 for one method: its fixed setting ``hp``, or the best of ``grid`` (both JSON text) by
-    the chapter's rule (:func:`curvlab.linrep_baselines.grid_scores` on the tuning problem, its first
-    ``tune_seeds`` seeds, ``tune_steps`` steps, generator seed 1), then ``steps`` steps on the reported problem
-    (anisotropic) and on the isotropic control (Sigma = I), all ``seeds`` in one batch, generator seed 2: the
-    traces every ``record_every``."""
+    each of the chapter's two rules, on the tuning problem (its first ``tune_seeds`` seeds, ``tune_steps`` steps,
+    generator seed 1; one set of grid runs, :func:`curvlab.linrep_baselines.grid_runs`): the *tail* rule (mean
+    log10 tail transfer loss, a floor) and the *speed* rule (mean excess log-distance area above ``speed_level``,
+    :func:`curvlab.linrep_baselines.speed_score`). Then ``steps`` steps on the reported problem (anisotropic) and
+    on the isotropic control (Sigma = I) with each chosen setting, all ``seeds`` in one batch, generator seed 2: the
+    traces every ``record_every``. Column ``rule``: ``fixed``, ``tail`` or ``speed``."""
     from dataclasses import fields, replace
 
     from . import checks, linrep
@@ -138,32 +141,39 @@ def ch11_linrep_fig1(method: str, hp: str | None, grid: str | None, d: int, k: i
         return linrep.linrep_problem(seeds, d=d, k=k, d_y=d_y, kappa_x=kx, kappa_F=kappa_F, x_dist=x_dist,
                                      noise=noise, transfer_kappa=transfer_kappa, seed=draw, device=dev)
 
-    score, edge = float("nan"), []
+    chosen = {"fixed": (hp, float("nan"), [])}
     if grid is not None:                         # tuned, exactly as the chapter: the first seeds of the same draw
         tuning = make(tune_seed, kappa_x)
         tuning = replace(tuning, **{f.name: getattr(tuning, f.name)[:tune_seeds] for f in fields(tuning)
                                     if torch.is_tensor(getattr(tuning, f.name))})
-        cells = baselines.grid_scores(method, tuning, tune_steps, n, {}, grid, record_every=record_every, seed=1)
-        hp, score = min(((h, float(s.mean())) for h, s in cells), key=lambda hs: hs[1])
-        edge = [key for key, vals in grid.items() if checks.at_grid_edge(vals, hp[key])]
-    frames = []
-    for name, kx in (("anisotropic", kappa_x), ("isotropic", iso_kappa_x)):
-        out = baselines.run_method(method, make(problem_seed, kx), steps, n, hp, record_every=record_every,
-                                   generator=torch.Generator().manual_seed(2))
-        S, T = out["subspace_distance"].shape
-        frames.append(pd.DataFrame({
-            "problem": name, "seed": [s for s in range(S) for _ in range(T)],
-            "step": out["step"].reshape(-1).cpu().numpy(),
-            **{m: out[m].detach().double().reshape(-1).cpu().numpy()
-               for m in ("subspace_distance", "train_loss", "transfer_loss")}}))
-    return pd.concat(frames, ignore_index=True).assign(
-        hp_used=json.dumps(hp, sort_keys=True), tuned=grid is not None, tune_score=score,
-        tuned_at_edge=",".join(edge), device=str(dev))
+        runs = baselines.grid_runs(method, tuning, tune_steps, n, {}, grid, record_every=record_every, seed=1)
+        chosen = {}
+        for rule in ("tail", "speed"):
+            cells = baselines.score_runs(runs, tune_seeds, rule, level=speed_level)
+            best, score = min(((h, float(s.mean())) for h, s in cells), key=lambda hs: hs[1])
+            chosen[rule] = (best, score, [key for key, vals in grid.items() if checks.at_grid_edge(vals, best[key])])
+    frames, done = [], {}
+    for rule, (h, score, edge) in chosen.items():
+        for name, kx in (("anisotropic", kappa_x), ("isotropic", iso_kappa_x)):
+            key = (json.dumps(h, sort_keys=True), name)
+            if key not in done:                  # the two rules chose the same value: one run serves both
+                out = baselines.run_method(method, make(problem_seed, kx), steps, n, h, record_every=record_every,
+                                           generator=torch.Generator().manual_seed(2))
+                S, T = out["subspace_distance"].shape
+                done[key] = pd.DataFrame({
+                    "problem": name, "seed": [s for s in range(S) for _ in range(T)],
+                    "step": out["step"].reshape(-1).cpu().numpy(),
+                    **{m: out[m].detach().double().reshape(-1).cpu().numpy()
+                       for m in ("subspace_distance", "train_loss", "transfer_loss")}})
+            frames.append(done[key].assign(rule=rule, hp_used=key[0], tuned=grid is not None, tune_score=score,
+                                           tuned_at_edge=",".join(edge)))
+    return pd.concat(frames, ignore_index=True).assign(device=str(dev))
 
 
 def _ch11_grid(profile: str) -> list[dict[str, Any]]:
     C = CH11_CONFIG
-    base = {**{("problem_seed" if k == "seed" else k): v for k, v in C["problem"].items()}, **C["sizes"][profile]}
+    base = {**{("problem_seed" if k == "seed" else k): v for k, v in C["problem"].items()}, **C["sizes"][profile],
+            "speed_level": C["speed"]["level"]}
     js = lambda v: None if v is None else json.dumps(v, sort_keys=True)  # noqa: E731  (configs hold no dicts)
     cells = [{"method": m, "hp": js(C["methods"].get(m)), "grid": js(C["grids"].get(m))} for m in _CH11_METHODS]
     return [{**c, **base} for c in cells]
@@ -172,11 +182,12 @@ def _ch11_grid(profile: str) -> list[dict[str, Any]]:
 def _ch11_flops(method, grid, d, k, d_y, n, steps, seeds, tune_seeds, tune_steps, record_every, **_):
     """Per step and seed: the batch moments (2 n d^2), the method's d x d work (an eigen-decomposition, about
     9 d^3, for NGD, Shampoo and the normalised methods; a Cholesky solve, d^3, otherwise) and, every
-    ``record_every`` steps, the three losses (about 6 d^3). Tuning: every grid cell on the tuning seeds."""
+    ``record_every`` steps, the three losses (about 6 d^3). Tuning: every grid cell on the tuning seeds, then the
+    reported runs of both rules' choices (at most; one when they agree)."""
     heavy = method in ("NGD", "Shampoo", "whitening+AMGD", "batchnorm+AMGD")
     step = 2 * n * d * d + (9 if heavy else 1) * d ** 3 + 2 * d_y * k * d + 6 * d ** 3 / record_every
     cells = math.prod(len(v) for v in json.loads(grid).values()) if grid else 0
-    return step * (2 * seeds * steps + cells * tune_seeds * tune_steps)
+    return step * (2 * seeds * steps * (2 if grid else 1) + cells * tune_seeds * tune_steps)
 
 
 # ---------------------------------------------------------------- chapter 12: the single-index giant step
@@ -633,6 +644,8 @@ def _summary_ch11(f: pd.DataFrame):
 
     from . import plotting
 
+    speed = f[f.rule == "speed"] if "rule" in f else f.iloc[:0]
+    f = f[f.rule != "speed"] if "rule" in f else f          # the figure: fixed settings and the tail rule's choices
     probs = [p for p in ("anisotropic", "isotropic") if p in set(f.problem)]
     fig, axes = plt.subplots(1, len(probs), figsize=(5.4 * len(probs), 3.8), sharey=True, squeeze=False)
     methods = [m for m in _CH11_METHODS if m in set(f.method)] + sorted(set(f.method) - set(_CH11_METHODS))
@@ -651,12 +664,17 @@ def _summary_ch11(f: pd.DataFrame):
                                                            if isinstance(row.tuned_at_edge, str)
                                                            and row.tuned_at_edge else "")
                        for m, row in tuned.iterrows())
+    fast = "; ".join(f"{m}: {_hp_text(row.hp_used)}" + (f" (grid edge: {row.tuned_at_edge})"
+                                                        if isinstance(row.tuned_at_edge, str)
+                                                        and row.tuned_at_edge else "")
+                     for m, row in speed.groupby("method").first().iterrows())
     return (fig, "Subspace distance against iteration on a log axis for the eight methods of Figure 1, median "
                  "line and min-max band over seeds, for anisotropic inputs and the isotropic control.",
             f"Figure 1 of chapter 11 at the registered grid's sizes ({_sizes(f, 'd', 'k', 'd_y', 'n')}, "
             f"{f.seed.nunique()} seeds): median and range over seeds of the subspace distance, anisotropic "
             "inputs and the isotropic control (same hyper-parameters). Tuned on the tuning problem at these "
-            f"sizes by the chapter's rule: {chosen or 'none'}.")
+            f"sizes by the chapter's tail (floor) rule: {chosen or 'none'}"
+            + (f"; by its speed rule (runs in the frame, not drawn): {fast}." if fast else "."))
 
 
 def _summary_ch12(f: pd.DataFrame):
@@ -718,12 +736,12 @@ def _registry() -> dict[str, PaperRun]:
     runs = [
         PaperRun("ch11_linrep_fig1", "11_linrep_experiments",
                  "Figure 1: the eight methods on one linear-representation problem, anisotropic and isotropic, "
-                 "NGD, Adam and Shampoo tuned at the profile's sizes",
+                 "NGD, Adam and Shampoo tuned at the profile's sizes by the tail (floor) rule and by the speed rule",
                  ch11_linrep_fig1,
                  {p: (lambda p=p: _ch11_grid(p)) for p in _PROFILES},
                  _ch11_flops, ("linrep", "linrep_baselines", "checks"),
-                 note="one cell per method; a tuned method's cell runs its grid search (the chapter's rule) "
-                      "on the tuning problem at the same sizes first; K-FAC's stability sweep over NGD's grid is "
+                 note="one cell per method; a tuned method's cell runs its grid on the tuning problem at the same "
+                      "sizes first and reports the best value by each of the chapter's two rules (tail, speed); K-FAC's stability sweep over NGD's grid is "
                       "not part of this grid",
                  summary=_summary_ch11),
         PaperRun("ch12_single_index", "12_single_index_giant_step",
