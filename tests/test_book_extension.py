@@ -96,23 +96,28 @@ def _derived(name, **kw):
 def test_ledger_shows_what_each_derived_check_compares_and_how_it_counts():
     records = {
         "ch": [
-            _derived("mc", compares="Monte Carlo vs closed form", evidence="evidence"),
+            _derived("mc", compares="Monte Carlo vs closed form", routes=["Monte Carlo", "closed form"],
+                     evidence="evidence", basis="sampling vs closed form"),
             _derived("same", compares="library vs same library", evidence="consistency"),
             _derived("bare"),
-            _derived("self", compares="run vs law", evidence="evidence",
+            _derived("self", compares="run vs law", routes=["run", "law"], evidence="evidence",
+                     basis="sampling vs closed form",
                      tolerance_parts=[{"kind": "deviation", "value": 0.01, "why": "other decade", "from_prediction": True}]),
+            _derived("old", compares="simulation vs theory", evidence="evidence"),
             {"kind": "claim", "name": "c", "source": "paper", "status": "inconclusive", "tolerance": 0.1},
         ]
     }
     rows = curvlab_book.ledger_rows(records, ("derived", "bound", "identity"))
     assert [r["evidence"] for r in rows] == ["evidence", "consistency", "unclassified",
-                                             "not evidence: tolerance from prediction"]
+                                             "not evidence: tolerance from prediction",
+                                             "not evidence: routes not named"]
     html = curvlab_book.ledger_html(rows)
-    assert "<th>compares</th>" in html and "Monte Carlo vs closed form" in html
+    assert "<th>routes</th>" in html and "Monte Carlo vs closed form" in html
     assert "curvlab-evidence-not-evidence" in html
     header, table = curvlab_book.evidence_summary_rows(records)
     assert header[1] == "derived: evidence"
-    assert table[0] == ["ch", "1", "1", "1", "1", "0", "0", "1"] and table[-1][0] == "all chapters"
+    assert "(sampling vs closed form)" in html
+    assert table[0] == ["ch", "1", "1", "2", "1", "0", "0", "1"] and table[-1][0] == "all chapters"
 
 
 def test_value_reference_parsing_and_lookup():
@@ -151,7 +156,18 @@ def test_value_role_fills_prose_from_this_builds_ledger(fake_root, tmp_path, mon
                                  "extensions = ['myst_parser', 'sphinx.ext.intersphinx', 'sphinx.ext.mathjax', 'curvlab_book']\n")
     (src / "index.md").write_text("# T\n\nRatio {curvlab-value}`11_x::NGD is slower` "
                                   "(*{curvlab-value}`11_x::NGD is slower::status`*), "
-                                  "gone {curvlab-value}`11_x::renamed check`.\n")
+                                  "gone {curvlab-value}`11_x::renamed check`.\n\n"
+                                  "```{curvlab-case} 11_x::NGD is slower\n"
+                                  ":reproduced: CASE-R NGD is slower.\n"
+                                  ":not_reproduced: CASE-N NGD is **not** slower, $x^2$.\n"
+                                  ":inconclusive: CASE-I cannot tell.\n"
+                                  "```\n\n"
+                                  "```{curvlab-case} 11_x::NGD is slower\n"
+                                  ":reproduced: CASE-HALF only one verdict written.\n"
+                                  "```\n\n"
+                                  "```{curvlab-case} 11_x::a claim nobody recorded\n"
+                                  ":reproduced: CASE-GONE-R\n:not_reproduced: CASE-GONE-N\n:inconclusive: CASE-GONE-I\n"
+                                  "```\n")
     warnings = io.StringIO()
     app = Sphinx(str(src), str(src), str(tmp_path / "out"), str(tmp_path / "doctrees"), "html",
                  status=None, warning=warnings, freshenv=True)
@@ -159,6 +175,78 @@ def test_value_role_fills_prose_from_this_builds_ledger(fake_root, tmp_path, mon
     html = (tmp_path / "out" / "index.html").read_text()
     assert "-0.51 ± 3·0.01" in html and "not reproduced" in html and 'class="curvlab-value"' in html
     assert "renamed check" in warnings.getvalue() and "no value" in warnings.getvalue()
+    # curvlab-case keeps only the recorded verdict's text, parsed as MyST (bold, math) ...
+    assert "CASE-N" in html and "<strong>not</strong>" in html and "CASE-R" not in html and "CASE-I" not in html
+    assert "curvlab-case-not-reproduced" in html
+    # ... warns when a claim's case lacks a verdict or the recorded one, and when the record is missing
+    w = warnings.getvalue()
+    assert "no text for not reproduced, inconclusive" in w and "has no text for it" in w
+    assert "CASE-HALF" not in html and "CASE-GONE" not in html
+    assert "no record '11_x::a claim nobody recorded'" in w
+
+
+def test_value_fields_match_the_library_and_render_verdict_and_sign():
+    from curvlab import checks
+
+    assert curvlab_book.VALUE_FIELDS == checks.VALUE_FIELDS
+    records = {"ch": [
+        {"kind": "claim", "name": "up", "status": "reproduced", "interval": [0.2, 0.9], "threshold": 0.0,
+         "estimate": 0.55, "note": ""},
+        {"kind": "claim", "name": "edge", "status": "inconclusive", "interval": [-0.9, -0.2], "threshold": 0.0,
+         "note": "tuned value at its grid's edge (Adam lr): inconclusive; interval alone said not reproduced"},
+        {"kind": "claim", "name": "mid", "status": "inconclusive", "interval": [0.4, 0.6], "threshold": 0.5},
+        {"kind": "derived", "name": "d", "status": "passed", "tolerance": 0.1, "measured_min": -0.05,
+         "measured_max": 0.3, "underpowered": True, "routes": ["Monte Carlo", "closed form"],
+         "basis": "sampling vs closed form"},
+    ]}
+    v = lambda ref: curvlab_book.ledger_value(records, ref)  # noqa: E731
+    assert v("ch::up::verdict") == "reproduced" and v("ch::up::sign") == "positive"
+    assert v("ch::up::estimate") == "0.55" and v("ch::up::interval") == "[0.2, 0.9]"
+    assert v("ch::edge::verdict") == "inconclusive (a tuned value at its grid's edge: Adam lr)"
+    assert v("ch::edge::sign") == "negative"            # the interval's side, whatever the edge rule decided
+    assert v("ch::mid::sign") == "undetermined"
+    assert v("ch::d::verdict") == "passed (underpowered)" and v("ch::d::sign") == "undetermined"
+    assert v("ch::d::routes") == "Monte Carlo vs closed form" and v("ch::d::basis") == "sampling vs closed form"
+
+
+def test_case_choice_warns_on_missing_records_and_texts():
+    records = {"ch": [{"kind": "claim", "name": "c", "status": "inconclusive"},
+                      {"kind": "derived", "name": "d", "status": "passed"}]}
+    assert curvlab_book.choose_case(records, "ch::c", {"reproduced", "not reproduced", "inconclusive"}) == ("inconclusive", [])
+    keep, problems = curvlab_book.choose_case(records, "ch::c", {"reproduced", "inconclusive"})
+    assert keep == "inconclusive" and "no text for not reproduced" in problems[0]
+    keep, problems = curvlab_book.choose_case(records, "ch::c", {"reproduced", "not reproduced"})
+    assert keep is None and "has no text for it" in problems[-1]
+    assert curvlab_book.choose_case(records, "ch::d", {"passed"}) == ("passed", [])
+    keep, problems = curvlab_book.choose_case(records, "ch::gone", {"passed"})
+    assert keep is None and "no record" in problems[0]
+    with pytest.raises(ValueError, match="curvlab-case"):
+        curvlab_book.parse_case_ref("ch::c::verdict")
+
+
+def test_markdown_outputs_of_conclude_render_as_markdown_in_the_book(tmp_path):
+    """``checks.conclude`` displays ``text/markdown``; with the book's ``nb_render_markdown_format: myst`` myst-nb
+    renders it like a Markdown cell (bold, math), not as a code block."""
+    import io
+
+    import nbformat
+    from sphinx.application import Sphinx
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text("extensions = ['myst_nb']\nnb_execution_mode = 'off'\n"
+                                 "nb_render_markdown_format = 'myst'\nmyst_enable_extensions = ['dollarmath']\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# T"), nbformat.v4.new_code_cell("checks.conclude(...)")]
+    nb.cells[1].outputs = [nbformat.v4.new_output("display_data", data={
+        "text/markdown": "The claim is **CONCLUDED** here, $x^2$.", "text/plain": "<IPython.core.display.Markdown object>"})]
+    nbformat.write(nb, str(src / "index.ipynb"))
+    app = Sphinx(str(src), str(src), str(tmp_path / "out"), str(tmp_path / "doctrees"), "html",
+                 status=None, warning=io.StringIO(), freshenv=True)
+    app.build()
+    html = (tmp_path / "out" / "index.html").read_text()
+    assert "<strong>CONCLUDED</strong>" in html and "Markdown object" not in html
+    assert 'class="math' in html
 
 
 def test_theorem_labels_in_latex_name_their_document_even_when_the_title_has_markup():

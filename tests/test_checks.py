@@ -231,3 +231,107 @@ def test_report_is_one_collapsed_table_per_section():
     html = second._repr_html_()
     assert html.startswith("<details") and "<summary>" in html and "c2" in html and "c1" not in html
     assert "1 not reproduced" in second.summary()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Prose bound to the ledger: checks.value and checks.conclude
+# --------------------------------------------------------------------------------------------------------
+def _three_claims():
+    checks.claim("gap > 0", source="p", statistic="gap", value=1.0, se=0.1, expect=">", threshold=0.0)
+    checks.claim("gap < 0", source="p", statistic="gap", value=1.0, se=0.1, expect="<", threshold=0.0)
+    checks.claim("share < 0.5", source="p", statistic="share", value=0.45, se=0.1, expect="<", threshold=0.5)
+
+
+def test_value_renders_the_ledger_fields():
+    _three_claims()
+    assert checks.value("gap > 0") == "1 ± 3·0.1"
+    assert checks.value("gap > 0", field="verdict") == "reproduced"
+    assert checks.value("gap < 0", field="verdict") == "not reproduced"
+    assert checks.value("gap < 0", field="sign") == "positive"          # the interval's side of 0, whatever was claimed
+    assert checks.value("share < 0.5", field="verdict") == "inconclusive"
+    assert checks.value("share < 0.5", field="sign") == "undetermined"
+    assert checks.value("share < 0.5", field="estimate") == "0.45"
+    assert checks.value("share < 0.5", field="interval") == "[0.15, 0.75]"
+    assert checks.value("share < 0.5", field="predicted") == "< 0.5"
+    assert checks.value("share < 0.5", field="tolerance") == "0.3"
+    checks.claim("share < 0.5", source="p", statistic="share", value=0.9, se=0.1, expect="<", threshold=0.5)
+    assert checks.value("share < 0.5", field="sign") == "above 0.5"    # the last record of a name counts
+
+
+def test_value_of_a_derived_check_and_its_sign():
+    x = 1.0 + 0.1 * np.random.default_rng(0).standard_normal(32)
+    checks.derived("mean", measured=x.mean(), predicted=1.0, foil=2.0, tol=Tolerance.replicates(x),
+                   routes=("Monte Carlo", "closed form"), evidence="evidence", basis="sampling vs closed form")
+    assert checks.value("mean", field="verdict") == "passed"
+    assert checks.value("mean", field="sign") == "positive"
+    assert checks.value("mean", field="routes") == "Monte Carlo vs closed form"
+    assert checks.value("mean", field="basis") == "sampling vs closed form"
+    assert float(checks.value("mean", field="estimate")) == pytest.approx(x.mean(), rel=1e-3)
+    y = 0.01 * np.random.default_rng(1).standard_normal(32)
+    checks.derived("zero mean", measured=y.mean(), predicted=0.0, foil=1.0, tol=Tolerance.replicates(y),
+                   routes=("Monte Carlo", "symmetry"), evidence="evidence", basis="sampling vs closed form")
+    assert checks.value("zero mean", field="sign") == "undetermined"   # within its tolerance of 0
+
+
+def test_value_edge_rule_verdict():
+    checks.claim("NGD faster", source="p", statistic="gap", value=-1.0, se=0.1, expect="<", threshold=0.0,
+                 tuned_at_edge=["NGD damping"])
+    assert checks.value("NGD faster", field="verdict") == "inconclusive (a tuned value at its grid's edge: NGD damping)"
+    assert checks.value("NGD faster", field="status") == "inconclusive"
+    assert checks.value("NGD faster", field="sign") == "negative"
+
+
+def test_value_bad_input():
+    _three_claims()
+    with pytest.raises(checks.NotRecorded, match="no check or claim named 'gap = 0'"):
+        checks.value("gap = 0")
+    with pytest.raises(ValueError, match="field must be one of"):
+        checks.value("gap > 0", field="colour")
+    with pytest.raises(ValueError, match="has no 'foil'"):
+        checks.value("gap > 0", field="foil")
+    with pytest.raises(ValueError, match="name"):
+        checks.value("")
+
+
+def test_conclude_chooses_the_text_by_the_verdict(capsys):
+    _three_claims()
+    texts = dict(reproduced="R: $x$", not_reproduced="N", inconclusive="I")
+    assert checks.conclusion_text("gap > 0", **texts) == "R: $x$"
+    assert checks.conclusion_text("gap < 0", **texts) == "N"
+    assert checks.conclusion_text("share < 0.5", **texts) == "I"
+    checks.conclude("gap < 0", **texts)            # outside IPython: printed
+    assert capsys.readouterr().out.strip() == "N"
+
+
+def test_conclude_in_ipython_displays_markdown(monkeypatch):
+    import IPython
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython, "get_ipython", lambda: object())
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    _three_claims()
+    checks.conclude("gap > 0", reproduced="**yes**", not_reproduced="no", inconclusive="?")
+    assert len(shown) == 1 and isinstance(shown[0], IPython.display.Markdown) and shown[0].data == "**yes**"
+    assert shown[0]._repr_markdown_() == "**yes**"
+
+
+def test_conclude_refuses_what_the_ledger_does_not_support():
+    _three_claims()
+    with pytest.raises(checks.NotRecorded, match="record it before you cite it"):
+        checks.conclude("never recorded", reproduced="r", not_reproduced="n", inconclusive="i")
+    with pytest.raises(ValueError, match="is 'inconclusive', but no inconclusive= text"):
+        checks.conclude("share < 0.5", reproduced="r", not_reproduced="n")
+    with pytest.raises(ValueError, match="give the text"):
+        checks.conclude("gap > 0")
+    with pytest.raises(TypeError, match="reproduced must be Markdown"):
+        checks.conclude("gap > 0", reproduced=1)
+    x = 1.0 + 0.1 * np.random.default_rng(0).standard_normal(32)
+    checks.derived("mean", measured=x.mean(), predicted=1.0, foil=2.0, tol=Tolerance.replicates(x),
+                   routes=("Monte Carlo", "closed form"), evidence="evidence", basis="sampling vs closed form")
+    assert checks.conclusion_text("mean", passed="P") == "P"
+    with checks.expect_failure("wrong mean"):
+        checks.derived("wrong mean", measured=x.mean(), predicted=3.0, foil=1.0, tol=Tolerance.replicates(x),
+                       routes=("Monte Carlo", "closed form"), evidence="evidence", basis="sampling vs closed form")
+    with pytest.raises(ValueError, match="demonstration"):
+        checks.conclude("wrong mean", passed="P", failed="F")

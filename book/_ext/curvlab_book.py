@@ -9,10 +9,23 @@
 * **Reproduction ledger and execution status.** The ``curvlab-ledger`` and ``curvlab-status`` directives leave a
   placeholder that is filled after every notebook has run (a post-transform at write time), from the chapters'
   check records and myst-nb's execution data.
-* **Numbers on prose pages.** The ``curvlab-value`` role, ``{curvlab-value}`chapter::check name```, writes a
-  number of *this* build's ledger into a page (the check's measured value; ``::predicted``, ``::tolerance``,
-  ``::effect``, ``::status``, ``::profile`` for the others), so a prose page never quotes a build-dependent number typed by hand.
-  A reference to a check the build did not record is a warning (an error of the strict build).
+* **Numbers, verdicts and signs on prose pages.** The ``curvlab-value`` role, ``{curvlab-value}`chapter::check name```,
+  writes one field of *this* build's ledger into a page: the check's measured value by default, or
+  ``::predicted``, ``::tolerance``, ``::effect``, ``::status``, ``::statistic``, ``::foil``, ``::profile``,
+  ``::verdict``, ``::sign``, ``::estimate``, ``::interval``, ``::routes``, ``::basis``, ``::evidence``
+  (:func:`curvlab.checks.record_field` defines each), so a prose page never quotes a build-dependent number,
+  verdict or sign typed by hand. The ``curvlab-case`` directive picks a sentence by the record's verdict::
+
+      :::{curvlab-case} 21_meanfield_hidden_learning::name of the claim
+      :reproduced: Markdown for a reproduced claim.
+      :not_reproduced: Markdown for a claim not reproduced.
+      :inconclusive: Markdown for an inconclusive one.
+      :::
+
+  (``:passed:``/``:failed:`` for a derived check). Each option is parsed as MyST Markdown (math, roles, links);
+  only the text of the recorded verdict is kept. A case on a claim must give all three claim verdicts (another
+  profile may give another one). A reference to a record the build does not have, or a missing text for the
+  recorded verdict, is a warning (an error of the strict build).
 * **Budget.** In the ``quick`` profile each notebook has a design budget of :data:`QUICK_BUDGET_S` seconds.
   A timing is not a test: run times are *reported* (the execution-status page marks a notebook over budget, and
   the build prints one summary line), never a warning of the strict build, so ``make test`` passes on a loaded
@@ -38,6 +51,8 @@ from sphinx.application import Sphinx
 from sphinx.transforms.post_transforms import SphinxPostTransform
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
+from docutils.parsers.rst import directives
+from docutils.statemachine import StringList
 
 LOGGER = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
@@ -254,7 +269,9 @@ class ValueNode(nodes.Inline, nodes.TextElement):
     """Placeholder for one number of the ledger, filled after execution (``curvlab-value`` role)."""
 
 
-VALUE_FIELDS = ("measured", "predicted", "tolerance", "effect", "status", "statistic", "foil", "profile")
+#: The same tuple as :data:`curvlab.checks.VALUE_FIELDS` (a test keeps them equal; the role parses without the library).
+VALUE_FIELDS = ("measured", "predicted", "tolerance", "effect", "status", "statistic", "foil", "profile",
+                "verdict", "sign", "estimate", "interval", "routes", "basis", "evidence")
 
 
 def parse_value_ref(text: str) -> tuple[str, str, str]:
@@ -267,20 +284,95 @@ def parse_value_ref(text: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
+def find_record(records: dict[str, list[dict[str, Any]]], chapter: str, name: str) -> dict[str, Any] | None:
+    """The last record named ``name`` in ``chapter`` (a chapter may re-run a check), or None."""
+    found = [r for r in records.get(chapter, []) if r.get("name") == name]
+    return found[-1] if found else None
+
+
 def ledger_value(records: dict[str, list[dict[str, Any]]], ref: str) -> str | None:
     """The text the ``curvlab-value`` role shows for ``ref``, or None when the build recorded no such check.
 
-    Numbers are the ledger's own strings (``measured``, ``predicted``: as the check recorded them) or three
-    significant digits (``tolerance``, ``effect``). The last record of that name wins (a chapter may re-run a check).
+    Rendered by :func:`curvlab.checks.record_field` (the same function as ``checks.value`` in a notebook): the
+    ledger's own strings (``measured``, ``predicted``: as the check recorded them), three significant digits
+    (``tolerance``, ``effect``), the verdict and the sign as defined there. The last record of that name wins.
     """
+    from curvlab.checks import record_field
+
     chapter, name, fld = parse_value_ref(ref)
-    found = [r for r in records.get(chapter, []) if r.get("name") == name]
-    if not found:
-        return None
-    v = found[-1].get(fld)
-    if v is None or v == "":
-        return None
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
+    rec = find_record(records, chapter, name)
+    return None if rec is None else record_field(rec, fld)
+
+
+CASE_VERDICTS = {"reproduced": "reproduced", "not_reproduced": "not reproduced", "inconclusive": "inconclusive",
+                 "passed": "passed", "failed": "failed"}
+CLAIM_VERDICTS = ("reproduced", "not reproduced", "inconclusive")
+
+
+def parse_case_ref(text: str) -> tuple[str, str]:
+    """``"chapter::check name"`` -> ``(chapter, name)`` for the ``curvlab-case`` directive."""
+    parts = [x.strip() for x in text.split("::")]
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"curvlab-case expects 'chapter::check or claim name', got {text!r}")
+    return parts[0], parts[1]
+
+
+def choose_case(records: dict[str, list[dict[str, Any]]], ref: str, given: set[str]) -> tuple[str | None, list[str]]:
+    """Which verdict's text a ``curvlab-case`` keeps, and the problems to warn about.
+
+    ``given``: the verdicts (ledger spelling: ``"not reproduced"``) the directive has a text for. Returns the
+    verdict to keep (None when there is none to keep) and a list of warning messages.
+    """
+    chapter, name = parse_case_ref(ref)
+    rec = find_record(records, chapter, name)
+    if rec is None:
+        return None, [f"curvlab-case: this build's ledger has no record {ref!r}"]
+    problems = []
+    if rec.get("kind") == "claim":
+        missing = [v for v in CLAIM_VERDICTS if v not in given]
+        if missing:
+            problems.append(f"curvlab-case {ref!r}: a claim can be {', '.join(CLAIM_VERDICTS)}; no text for "
+                            f"{', '.join(missing)} (another profile may give it)")
+    status = rec.get("status", "")
+    if status not in given:
+        problems.append(f"curvlab-case {ref!r}: this build's ledger says {status!r}, and the directive has no text "
+                        "for it")
+        return None, problems
+    return status, problems
+
+
+class CaseNode(nodes.General, nodes.Element):
+    """Placeholder for the ``curvlab-case`` directive: one child container per verdict, one kept after execution."""
+
+
+class CaseDirective(SphinxDirective):
+    """``{curvlab-case} chapter::name`` with one option per verdict (see the module docstring)."""
+
+    required_arguments = 1
+    final_argument_whitespace = True
+    has_content = False
+    option_spec = {k: directives.unchanged_required for k in CASE_VERDICTS}
+
+    def run(self) -> list[nodes.Node]:
+        ref = self.arguments[0]
+        try:
+            parse_case_ref(ref)
+        except ValueError as exc:
+            raise self.error(str(exc)) from exc
+        if not self.options:
+            raise self.error(f"curvlab-case {ref!r}: give a text for each verdict (:reproduced:, :not_reproduced:, "
+                             ":inconclusive: for a claim; :passed: for a derived check)")
+        self.env.curvlab_generated = getattr(self.env, "curvlab_generated", set()) | {self.env.docname}
+        node = CaseNode()
+        node["ref"] = ref
+        self.set_source_info(node)
+        for key, text in self.options.items():
+            branch = nodes.container(classes=["curvlab-case"])
+            branch["verdict"] = CASE_VERDICTS[key]
+            self.state.nested_parse(StringList(text.splitlines(), source=self.get_source_info()[0]),
+                                    self.content_offset, branch)
+            node += branch
+        return [node]
 
 
 def value_role(name: str, rawtext: str, text: str, lineno: int, inliner: Any, options: Any = None, content: Any = None):
@@ -382,7 +474,8 @@ def ledger_rows(records: dict[str, list[dict[str, Any]]], kinds: tuple[str, ...]
                          "statistic": r.get("statistic", ""), "measured": r.get("measured", ""),
                          "prediction": r.get("predicted", ""), "tolerance": tol, "why": why,
                          "foil": r.get("foil", ""), "effect": effect, "note": r.get("note", ""),
-                         "compares": r.get("compares", ""),
+                         "compares": " vs ".join(r["routes"]) if r.get("routes") else r.get("compares", ""),
+                         "basis": r.get("basis", ""),
                          "evidence": evidence_class(r, linted.get((chapter, r["name"])))})
     return rows
 
@@ -412,7 +505,7 @@ def ledger_html(rows: list[dict[str, str]]) -> str:
     if not rows:
         return "<p><em>No checks of this kind in this build.</em></p>"
     derived = any(r.get("evidence") for r in rows)
-    cols = ("status", "check", "statistic", "measured", "prediction", "tolerance", "foil") + (("compares",) if derived else ())
+    cols = ("status", "check", "statistic", "measured", "prediction", "tolerance", "foil") + (("routes",) if derived else ())
     head = "".join(f"<th>{h}</th>" for h in cols)
     body = []
     for r in rows:
@@ -424,7 +517,8 @@ def ledger_html(rows: list[dict[str, str]]) -> str:
             f"<td>{e(r['statistic'])}</td><td>{e(r['measured'])}</td><td>{e(r['prediction'])}</td>"
             f"<td>{e(r['tolerance'])}{small(r['why'])}</td><td>{e(r['foil'])}{small(r['effect'])}</td>"
             + (f'<td>{e(r.get("compares", ""))}<br/><span class="curvlab-evidence curvlab-evidence-'
-               f'{e(r.get("evidence", "").split(":")[0].replace(" ", "-"))}">{e(r.get("evidence", ""))}</span></td>'
+               f'{e(r.get("evidence", "").split(":")[0].replace(" ", "-"))}">{e(r.get("evidence", ""))}</span>'
+               + (f' <span class="curvlab-small">({e(r["basis"])})</span>' if r.get("basis") else "") + "</td>"
                if derived else "")
             + "</tr>"
         )
@@ -466,6 +560,18 @@ class CurvlabPostTransform(SphinxPostTransform):
             span = nodes.inline(value, value, classes=["curvlab-value"])
             span["title"] = f"{fld} of '{check}' ({chapter}), from this build's ledger"
             node.replace_self(span)
+        for node in list(self.document.findall(CaseNode)):
+            branches = {b["verdict"]: b for b in node.children if isinstance(b, nodes.container)}
+            keep, problems = choose_case(records, node["ref"], set(branches))
+            for msg in problems:
+                LOGGER.warning(msg, location=node, type="curvlab", subtype="case")
+            if keep is None:
+                text = f"[no ledger verdict for: {node['ref']}]"
+                node.replace_self(nodes.paragraph(text, text, classes=["curvlab-case-missing"]))
+            else:
+                chosen = branches[keep]
+                chosen["classes"].append(f"curvlab-case-{keep.replace(' ', '-')}")
+                node.replace_self(chosen)
 
     def _status(self, records: dict[str, list[dict[str, Any]]]) -> nodes.Node:
         from myst_nb.sphinx_ import NbMetadataCollector
@@ -581,7 +687,9 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_node(LedgerNode)
     app.add_node(StatusNode)
     app.add_node(ValueNode)
+    app.add_node(CaseNode)
     app.add_role("curvlab-value", value_role)
+    app.add_directive("curvlab-case", CaseDirective)
     app.add_directive("curvlab-ledger", LedgerDirective)
     app.add_directive("curvlab-status", StatusDirective)
     app.add_post_transform(CurvlabPostTransform)

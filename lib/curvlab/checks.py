@@ -20,11 +20,18 @@ when the tolerance exceeds a third of it, the check is flagged **underpowered** 
 rational points, says which route proved it, and refuses to pass unless a perturbed right-hand side is
 rejected by the same route.
 
-Not every check that can fail is *evidence*. :func:`lint` reads check records (live ones, or the JSON a book
-build writes) and rejects a derived check that (a) does not say what it compares (``compares=``/``evidence=``),
-(b) has a tolerance computed from its own prediction, (c) cannot tell the prediction from its foil within the
-tolerance, or (d) is classed as evidence although both sides come from one computation. The book's test suite
-runs it over every executed chapter.
+Not every check that can fail is *evidence*. Each check names its two **routes** — ``routes=(measured route,
+predicted route)``, the code or derivation each side comes from — and says whether they are independent
+(``evidence="evidence"``, with a ``basis`` from :data:`INDEPENDENCE_BASES`) or not (``evidence="consistency"``,
+optionally with a basis from :data:`CONSISTENCY_BASES`); the rule is on the book's conventions page. :func:`lint`
+reads check records (live ones, or the JSON a book build writes) and rejects a derived check that (a) does not say
+what it compares, or is classed as evidence without named routes and a basis, (b) has a tolerance computed from its
+own prediction, (c) cannot tell the prediction from its foil within the tolerance, or (d) is classed as evidence
+although both sides come from one computation. The book's test suite runs it over every executed chapter.
+
+Prose never types what the ledger says. :func:`value` returns the ledger's string for a field of a record
+(``measured``, ``verdict``, ``sign``, …, :func:`record_field`), and :func:`conclude` displays the Markdown sentence
+written for the recorded verdict (one text per possible verdict), so a conclusion cannot contradict its ledger.
 
 Every check is recorded in a registry. :func:`report` renders the current section's checks as one compact,
 collapsed table; the book build collects the records into the reproduction ledger page (the chapter's records
@@ -61,6 +68,13 @@ __all__ = [
     "at_grid_edge",
     "lint",
     "LINT_RTOL",
+    "INDEPENDENCE_BASES",
+    "CONSISTENCY_BASES",
+    "VALUE_FIELDS",
+    "conclude",
+    "conclusion_text",
+    "value",
+    "record_field",
     "LintFinding",
     "evidence_summary",
     "section",
@@ -70,6 +84,7 @@ __all__ = [
     "reset",
     "expect_failure",
     "CheckTable",
+    "NotRecorded",
 ]
 
 #: How many standard errors a replicate-spread tolerance spans (a false-alarm rate of about 0.3 % per
@@ -260,6 +275,8 @@ class CheckRecord:
     route: str = ""
     compares: str = ""  # "what is compared with what": the measured side's route vs the predicted side's route
     evidence: str = ""  # "evidence" (two independent routes) | "consistency" (one code path) | "" (unclassified)
+    routes: list = field(default_factory=list)  # [measured route, predicted route] when named with routes=
+    basis: str = ""  # why the routes are independent (INDEPENDENCE_BASES) or why they are not (CONSISTENCY_BASES)
     note: str = ""
     # Numbers for the evidence lint (:func:`lint`), recorded by derived() and bound():
     error: float | None = None  # max |measured − predicted| (derived) or worst slack max(measured − bound) (bound)
@@ -267,6 +284,13 @@ class CheckRecord:
     predicted_scale: float | None = None  # max |predicted|
     identical: bool = False  # measured and predicted equal bit for bit, and not all integers
     tolerance_parts: list = field(default_factory=list)  # [{kind, value, why, from_prediction}]
+    # Numbers behind the ``sign`` field (:func:`record_field`): a claim's estimate, interval and threshold; a derived
+    # or bound check's smallest and largest measured value.
+    estimate: float | None = None
+    interval: list | None = None  # [low, high] of a claim's z·SE interval
+    threshold: float | None = None
+    measured_min: float | None = None
+    measured_max: float | None = None
     timestamp: float = field(default_factory=time.time)
 
 
@@ -345,18 +369,75 @@ def _require_tolerance(tol: Any) -> Tolerance:
 
 EVIDENCE_KINDS = ("evidence", "consistency")
 
+#: Why two routes count as independent — the only admissible ``basis`` of an evidence check (the rule is stated on
+#: the book's conventions page, "Evidence and consistency"):
+#:
+#: * ``"different algorithm"`` — the two sides compute the same quantity by different algorithms (a dense
+#:   ``torch.func`` Jacobian vs a structured or matrix-free route; an eigensolver vs a power iteration);
+#: * ``"symbolic vs numeric"`` — SymPy (or another exact computation) on one side, floating-point numerics on the other;
+#: * ``"sampling vs closed form"`` — Monte Carlo / a simulation on one side, a closed form derived in the text on the
+#:   other;
+#: * ``"computer algebra vs hand derivation"`` — SymPy builds one side from the definitions, the other is the closed
+#:   form derived by hand in the text (the default of :func:`identity`);
+#: * ``"independent implementation"`` — another implementation of the same method (another library, the authors'
+#:   code, a from-scratch re-implementation that shares no code with the route it checks);
+#: * ``"different source"`` — the two sides come from different data or different published results.
+INDEPENDENCE_BASES = (
+    "different algorithm",
+    "symbolic vs numeric",
+    "sampling vs closed form",
+    "computer algebra vs hand derivation",
+    "independent implementation",
+    "different source",
+)
+#: Why two routes are NOT independent — the admissible ``basis`` of a consistency check (optional there):
+#: one code path, the same data re-fitted, an inequality applied to the objects that define it, a library function
+#: vs a closed form of the same iteration, a bound compared with what defines it, or true by construction.
+CONSISTENCY_BASES = (
+    "same code path",
+    "same data re-fitted",
+    "inequality on its defining objects",
+    "same iteration in two forms",
+    "bound vs what defines it",
+    "by construction",
+)
 
-def _classify(compares: str, evidence: str | None) -> dict[str, str]:
-    """Validate the "what is compared with what" keywords of a derived check."""
+
+def _classify(compares: str, evidence: str | None, routes: Any = None, basis: str | None = None) -> dict[str, Any]:
+    """Validate the "what is compared with what" keywords of a check: ``routes`` (or the older ``compares``),
+    ``evidence`` and ``basis``."""
     if not isinstance(compares, str):
         raise TypeError(f"compares must be a string ('<measured route> vs <predicted route>'), got {type(compares).__name__}")
     if evidence is None:
         evidence = ""
     if evidence not in ("",) + EVIDENCE_KINDS:
         raise ValueError(f"evidence must be one of {list(EVIDENCE_KINDS)}, got {evidence!r}")
+    route_list: list[str] = []
+    if routes is not None:
+        if (isinstance(routes, str) or not isinstance(routes, (tuple, list)) or len(routes) != 2
+                or not all(isinstance(x, str) and x.strip() for x in routes)):
+            raise ValueError("routes must be a pair of non-empty strings: (measured route, predicted route), "
+                             f"got {routes!r}")
+        route_list = [x.strip() for x in routes]
+        joined = " vs ".join(route_list)
+        if compares.strip() and compares.strip() != joined:
+            raise ValueError("give routes= or the older compares=, not both (compares is derived from routes)")
+        compares = joined
+    if basis is None:
+        basis = ""
+    if not isinstance(basis, str):
+        raise TypeError(f"basis must be a string, got {type(basis).__name__}")
+    basis = basis.strip()
+    if basis:
+        allowed = INDEPENDENCE_BASES if evidence == "evidence" else CONSISTENCY_BASES if evidence == "consistency" else ()
+        if not evidence:
+            raise ValueError("basis is given but evidence is not: say evidence='evidence' or 'consistency'")
+        if basis not in allowed:
+            raise ValueError(f"basis of an {evidence} check must be one of {list(allowed)}, got {basis!r} "
+                             "(the rule is on the book's conventions page)")
     if evidence and not compares.strip():
-        raise ValueError("compares must say what is compared with what when evidence is given")
-    return dict(compares=compares.strip(), evidence=evidence)
+        raise ValueError("routes (or compares) must say what is compared with what when evidence is given")
+    return dict(compares=compares.strip(), evidence=evidence, routes=route_list, basis=basis)
 
 
 def _common(name: str, source: str) -> dict[str, Any]:
@@ -381,6 +462,8 @@ def derived(
     statistic: str = "",
     compares: str = "",
     evidence: str | None = None,
+    routes: tuple[str, str] | None = None,
+    basis: str | None = None,
 ) -> None:
     r"""Assert ``max |measured − predicted| ≤ tol`` and that the foil is rejected: ``max |measured − foil| > tol``.
 
@@ -391,11 +474,15 @@ def derived(
         (e.g. ``P⊥ΣP⊥`` instead of the Schur complement) or the prediction with the effect removed.
     tol
         A :class:`Tolerance`; a plain number is refused.
-    compares, evidence
-        What is compared with what (``"Monte Carlo, 32 seeds vs closed form (eq. 3)"``), and whether the two
-        sides come from independent routes (``"evidence"``: SymPy, a dense ``torch.func`` reference, Monte
-        Carlo, another algorithm) or from one code path (``"consistency"``: a unit test shown in the book, not
-        counted as evidence). Shown in the ledger's "compares" column.
+    routes, evidence, basis
+        ``routes = (measured route, predicted route)``: which code or derivation each side comes from
+        (``("Monte Carlo, 32 seeds", "closed form, eq. (3)")``); ``evidence``: whether the two routes are independent
+        (``"evidence"``) or not (``"consistency"``: a unit test shown in the book, not counted as evidence);
+        ``basis``: why — for evidence one of :data:`INDEPENDENCE_BASES`, for consistency (optional) one of
+        :data:`CONSISTENCY_BASES`. The rule is on the book's conventions page; :func:`lint` flags an evidence check
+        without routes and basis. Shown in the ledger's "routes" column.
+    compares
+        The older form of ``routes``: one string ``"<measured route> vs <predicted route>"``; still accepted.
 
     Raises
     ------
@@ -405,7 +492,7 @@ def derived(
         when the foil passes too: the check could not have failed, so it is no evidence.
     """
     tol = _require_tolerance(tol)
-    cls = _classify(compares, evidence)
+    cls = _classify(compares, evidence, routes, basis)
     m, p, f = _as_array("measured", measured), _as_array("predicted", predicted), _as_array("foil", foil)
     try:
         err = float(np.max(np.abs(m - p)))
@@ -421,7 +508,7 @@ def derived(
 
 
 def _settle(kind: str, name: str, source: str, statistic: str, values: tuple, tol: Tolerance, err: float,
-            foil_err: float, effect: float, cls: dict[str, str], note: str, fail_msg: str, foil_msg: str) -> None:
+            foil_err: float, effect: float, cls: dict[str, Any], note: str, fail_msg: str, foil_msg: str) -> None:
     """Record a derived or bound check, then raise if the prediction missed or the foil was not rejected."""
     ok, foil_ok = err <= tol.value, foil_err <= tol.value
     m, p, f = values
@@ -454,6 +541,8 @@ def _settle(kind: str, name: str, source: str, statistic: str, values: tuple, to
         predicted_scale=float(np.max(np.abs(p))),
         identical=identical,
         tolerance_parts=parts,
+        measured_min=float(np.min(m)),
+        measured_max=float(np.max(m)),
         **cls,
         **_common(name, source),
     ))
@@ -474,15 +563,17 @@ def bound(
     statistic: str = "",
     compares: str = "",
     evidence: str | None = None,
+    routes: tuple[str, str] | None = None,
+    basis: str | None = None,
 ) -> None:
     r"""Assert the derived bound ``measured ≤ upper + tol`` element-wise, and that the foil bound is violated.
 
     ``foil`` is a deliberately wrong (too small) bound — e.g. the same formula with the pseudo ``σ_min`` — that
     the measured values must violate somewhere (``measured > foil + tol``), otherwise the check is no evidence.
-    ``compares`` and ``evidence`` as in :func:`derived`.
+    ``routes``, ``evidence``, ``basis`` (and the older ``compares``) as in :func:`derived`.
     """
     tol = _require_tolerance(tol)
-    cls = _classify(compares, evidence)
+    cls = _classify(compares, evidence, routes, basis)
     m, u, f = _as_array("measured", measured), _as_array("upper", upper), _as_array("foil", foil)
     try:
         slack = float(np.max(m - u))
@@ -578,8 +669,10 @@ def identity(
     source: str = "derived here",
     trials: int = 8,
     seed: int = 0,
-    compares: str = "SymPy: lhs vs rhs, exact",
+    compares: str = "",
     evidence: str | None = "evidence",
+    routes: tuple[str, str] | None = None,
+    basis: str | None = None,
 ) -> None:
     r"""Prove the SymPy identity ``lhs = rhs`` (scalars or matrices) and record which route proved it.
 
@@ -588,10 +681,18 @@ def identity(
     (positive ones for symbols declared positive) — a probabilistic proof for rational functions
     (Schwartz–Zippel), recorded as such. The check then perturbs the right-hand side by a non-vanishing
     rational function and requires the same procedure to *reject* it; if it does not, :class:`CheckError`.
+
+    ``routes``/``evidence``/``basis`` as in :func:`derived`. Without them the identity is recorded as evidence with
+    routes ``("SymPy: the left-hand side, built from the definitions", "the closed form derived in the text")`` and
+    basis ``"computer algebra vs hand derivation"``; name other routes (or say ``evidence="consistency"``) when the
+    right-hand side was itself produced by SymPy from the left-hand side.
     """
     import sympy as sp
 
-    cls = _classify(compares, evidence)
+    if routes is None and not compares.strip() and evidence == "evidence":
+        routes = ("SymPy: the left-hand side, built from the definitions", "the closed form derived in the text")
+        basis = basis or "computer algebra vs hand derivation"
+    cls = _classify(compares, evidence, routes, basis)
     diff = _sympy_residual(lhs, rhs)
     route = _prove(diff, trials, seed)
     syms = sorted(diff.free_symbols, key=lambda s: s.name)
@@ -681,6 +782,9 @@ def claim(
         tolerance=z * s,
         tolerance_why=f"{z:g}·SE of the statistic",
         note=note,
+        estimate=v,
+        interval=[lo, hi],
+        threshold=t,
         **_common(claim, source),
     )
     _record(rec)
@@ -750,7 +854,9 @@ LINT_RTOL = 1e-9
 #: tolerance on the prediction (1, 2 and 5 times a power of ten, 1e-12 … 1).
 _ROUND_RATIOS = tuple(c * 10.0**k for k in range(-12, 1) for c in (1.0, 2.0, 5.0) if c * 10.0**k <= 1.0)
 LINT_RULES = {
-    "unclassified": "does not say what it compares (compares=, evidence='evidence'|'consistency')",
+    "unclassified": "does not say what it compares (routes=, evidence='evidence'|'consistency')",
+    "routes not named": "classed as evidence, but does not name its two routes (routes=) and an independence basis "
+                        "(basis=, one of INDEPENDENCE_BASES)",
     "tolerance from prediction": "a tolerance component is computed from the predicted value",
     "foil within tolerance": "the foil lies within the tolerance of the prediction (effect <= tol)",
     "one computation": "classed as evidence, but its two sides come from one computation",
@@ -800,6 +906,9 @@ def lint(records: Any) -> list[LintFinding]:
     skipped. Rules, for a ``derived`` or ``bound`` check (a ``identity`` only gets rule a):
 
     a. **unclassified** — ``evidence`` is neither ``"evidence"`` nor ``"consistency"``, or ``compares`` is empty.
+       **routes not named** — classed ``"evidence"`` without ``routes=(measured route, predicted route)`` or without a
+       ``basis`` in :data:`INDEPENDENCE_BASES` (an older ``compares=`` string alone does not say why the routes are
+       independent). Applies to identities too.
     b. **tolerance from prediction** — a tolerance component (i) was declared or detected as computed from the
        prediction (:meth:`Tolerance.finite_size` with ``from_prediction=True``; :meth:`Tolerance.deviation`
        around the predicted value), or (ii) equals the check's own error ``max|measured − predicted|`` (or worst
@@ -827,6 +936,10 @@ def lint(records: Any) -> list[LintFinding]:
         evidence, compares = r.get("evidence", ""), (r.get("compares") or "").strip()
         if evidence not in EVIDENCE_KINDS or not compares:
             add("unclassified", f"evidence={evidence!r}, compares={compares!r}")
+        routes = [str(x).strip() for x in (r.get("routes") or [])]
+        if evidence == "evidence" and (len(routes) != 2 or not all(routes)
+                                       or (r.get("basis") or "") not in INDEPENDENCE_BASES):
+            add("routes not named", f"routes={routes!r}, basis={r.get('basis', '')!r}")
         if kind == "identity":
             continue
         tol = r.get("tolerance")
@@ -848,11 +961,11 @@ def lint(records: Any) -> list[LintFinding]:
         if tol is not None and effect is not None and effect <= tol:
             add("foil within tolerance", f"effect {effect:.3g} <= tolerance {tol:.3g}")
         if evidence == "evidence":
-            sides = [x.strip().lower() for x in compares.split(" vs ")]
+            sides = [x.lower() for x in routes] if len(routes) == 2 else [x.strip().lower() for x in compares.split(" vs ")]
             if r.get("identical"):
                 add("one computation", "measured and predicted are bit-for-bit identical non-integer values")
             elif len(sides) == 2 and sides[0] and sides[0] == sides[1]:
-                add("one computation", f"compares names one route on both sides: {compares!r}")
+                add("one computation", f"the routes name one route on both sides: {compares!r}")
     return found
 
 
@@ -889,6 +1002,178 @@ def evidence_summary(records: Any) -> dict[str, dict[str, int]]:
 
 
 # --------------------------------------------------------------------------------------------------------
+# Prose bound to the ledger: values and verdict-chosen conclusions
+# --------------------------------------------------------------------------------------------------------
+#: The fields :func:`value` and the book's ``{curvlab-value}`` role render (see :func:`record_field`).
+VALUE_FIELDS = ("measured", "predicted", "tolerance", "effect", "status", "statistic", "foil", "profile",
+                "verdict", "sign", "estimate", "interval", "routes", "basis", "evidence")
+#: The verdicts a conclusion can depend on, and the keyword of :func:`conclude` that gives each one's text.
+VERDICT_KEYWORDS = {"reproduced": "reproduced", "not reproduced": "not_reproduced", "inconclusive": "inconclusive",
+                    "passed": "passed", "failed": "failed"}
+
+
+class NotRecorded(LookupError):
+    """:func:`value` or :func:`conclude` named a check or claim that this chapter has not recorded (yet)."""
+
+
+def _g(r: Any, key: str) -> Any:
+    return r.get(key) if isinstance(r, dict) else getattr(r, key, None)
+
+
+def _sign_word(lo: float, hi: float, threshold: float) -> str:
+    if threshold == 0.0:
+        return "positive" if lo > 0 else "negative" if hi < 0 else "undetermined"
+    return f"above {threshold:.4g}" if lo > threshold else f"below {threshold:.4g}" if hi < threshold else "undetermined"
+
+
+def record_field(rec: Any, fld: str) -> str | None:
+    r"""The ledger's text for one field of one record (a :class:`CheckRecord` or its JSON dict), or None when the
+    record has no such value. The book's ``{curvlab-value}`` role and :func:`value` both render through this.
+
+    Fields (:data:`VALUE_FIELDS`):
+
+    * ``measured``, ``predicted``, ``foil``, ``statistic``, ``status``, ``profile``, ``basis``, ``evidence`` — the
+      record's own strings (a claim's ``measured`` is ``"value ± z·SE"``, its ``predicted`` ``"> threshold"``);
+    * ``tolerance``, ``effect`` — three significant digits;
+    * ``verdict`` — a claim's status (reproduced / not reproduced / inconclusive), followed by
+      ``" (a tuned value at its grid's edge: …)"`` when the grid-edge rule made it inconclusive; a derived check's
+      status (passed / failed / rejected as intended), followed by ``" (underpowered)"`` when flagged;
+    * ``sign`` — for a claim, the side of the threshold on which the *whole* ``z``·SE interval lies: ``"positive"``
+      / ``"negative"`` when the threshold is 0, ``"above t"`` / ``"below t"`` otherwise, and ``"undetermined"`` when
+      the interval contains the threshold (the grid-edge rule does not change the sign: it is what the interval
+      says). For a derived or bound check, the sign of the measured statistic: ``"positive"`` when every measured
+      value exceeds the check's tolerance, ``"negative"`` when every one is below minus the tolerance,
+      ``"undetermined"`` otherwise and for identities;
+    * ``estimate`` — a claim's point estimate (4 significant digits; a derived check's measured value when it is a
+      single number); ``interval`` — a claim's ``[low, high]`` interval;
+    * ``routes`` — ``"measured route vs predicted route"``.
+    """
+    if fld not in VALUE_FIELDS:
+        raise ValueError(f"field must be one of {VALUE_FIELDS}, got {fld!r}")
+    kind, status = _g(rec, "kind"), _g(rec, "status") or ""
+    if fld in ("tolerance", "effect"):
+        v = _g(rec, fld)
+        return None if v is None else f"{float(v):.3g}"
+    if fld == "verdict":
+        if not status:
+            return None
+        note = _g(rec, "note") or ""
+        if kind == "claim" and note.startswith("tuned value at its grid's edge"):
+            names = note.split("(", 1)[1].split(")", 1)[0] if "(" in note else ""
+            return f"{status} (a tuned value at its grid's edge: {names})" if names else f"{status} (a tuned value at its grid's edge)"
+        return status + (" (underpowered)" if _g(rec, "underpowered") and kind != "claim" else "")
+    if fld == "sign":
+        if kind == "claim":
+            iv, t = _g(rec, "interval"), _g(rec, "threshold")
+            if not iv or t is None:
+                return None
+            return _sign_word(float(iv[0]), float(iv[1]), float(t))
+        lo, hi, tol = _g(rec, "measured_min"), _g(rec, "measured_max"), _g(rec, "tolerance")
+        if lo is None or hi is None or tol is None:
+            return "undetermined" if kind == "identity" else None
+        return _sign_word(float(lo) - float(tol), float(hi) + float(tol), 0.0)
+    if fld == "estimate":
+        v = _g(rec, "estimate")
+        if v is None and _g(rec, "measured_min") is not None and _g(rec, "measured_min") == _g(rec, "measured_max"):
+            v = _g(rec, "measured_min")
+        return None if v is None else f"{float(v):.4g}"
+    if fld == "interval":
+        iv = _g(rec, "interval")
+        return None if not iv else f"[{float(iv[0]):.4g}, {float(iv[1]):.4g}]"
+    if fld == "routes":
+        routes = _g(rec, "routes") or []
+        text = " vs ".join(routes) if routes else (_g(rec, "compares") or "")
+        return text or None
+    v = _g(rec, fld)
+    return None if v is None or v == "" else str(v)
+
+
+def _lookup(name: str, caller: str) -> CheckRecord:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{caller}: name must be the name of a recorded check or claim, got {name!r}")
+    found = [r for r in _STATE["records"] if r.name == name]
+    if not found:
+        known = sorted({r.name for r in _STATE["records"]})
+        close = [k for k in known if name.lower()[:20] in k.lower() or k.lower()[:20] in name.lower()]
+        hint = f"; similar names: {close[:3]}" if close else f" ({len(known)} names recorded so far)"
+        raise NotRecorded(f"{caller}: no check or claim named {name!r} has been recorded in chapter "
+                          f"{_STATE['chapter']!r} (record it before you cite it){hint}")
+    return found[-1]
+
+
+def value(name: str, field: str = "measured") -> str:
+    """The ledger's string for one field of the last record named ``name`` in this chapter (:func:`record_field`).
+
+    Use it to print a measured number next to prose (``f"the gap is {checks.value('gap', field='estimate')}"``)
+    instead of typing it. Raises :class:`NotRecorded` for an unknown name and ``ValueError`` for an unknown field or
+    a field the record has no value for.
+    """
+    if not isinstance(field, str) or field not in VALUE_FIELDS:
+        raise ValueError(f"field must be one of {VALUE_FIELDS}, got {field!r}")
+    rec = _lookup(name, "checks.value")
+    text = record_field(rec, field)
+    if text is None:
+        raise ValueError(f"checks.value: the record {name!r} ({rec.kind}) has no {field!r}")
+    return text
+
+
+def conclusion_text(name: str, *, reproduced: str | None = None, not_reproduced: str | None = None,
+                    inconclusive: str | None = None, passed: str | None = None, failed: str | None = None) -> str:
+    """The text of :func:`conclude` for this build's verdict, without displaying it."""
+    texts = dict(reproduced=reproduced, not_reproduced=not_reproduced, inconclusive=inconclusive, passed=passed,
+                 failed=failed)
+    for k, t in texts.items():
+        if t is not None and not isinstance(t, str):
+            raise TypeError(f"checks.conclude: {k} must be Markdown text (a string), got {type(t).__name__}")
+    if all(t is None for t in texts.values()):
+        raise ValueError("checks.conclude: give the text for each verdict the record can have "
+                         "(reproduced=, not_reproduced=, inconclusive= for a claim; passed= for a derived check)")
+    rec = _lookup(name, "checks.conclude")
+    key = VERDICT_KEYWORDS.get(rec.status)
+    if key is None:
+        raise ValueError(f"checks.conclude: {name!r} is recorded as {rec.status!r} (a demonstration), which "
+                         "no conclusion can rest on")
+    text = texts[key]
+    if text is None or not text.strip():
+        raise ValueError(f"checks.conclude: this build's ledger says {name!r} is {rec.status!r}, but no {key}= text "
+                         "was given — write the sentence for every verdict the record can have")
+    return text
+
+
+def conclude(name: str, *, reproduced: str | None = None, not_reproduced: str | None = None,
+             inconclusive: str | None = None, passed: str | None = None, failed: str | None = None) -> None:
+    r"""Display the conclusion that this build's verdict on ``name`` supports.
+
+    ``name`` is a claim or check recorded earlier in this chapter (the last record of that name counts). Give one
+    Markdown text per verdict the record can have — ``reproduced``, ``not_reproduced``, ``inconclusive`` for a
+    :func:`claim`, ``passed`` (and ``failed``, for a check inside :class:`expect_failure`) for a derived check;
+    math is allowed. The text of the recorded verdict is displayed as Markdown in IPython/Jupyter (the book renders
+    it like a Markdown cell) and printed elsewhere. A missing record raises :class:`NotRecorded`; a missing text for
+    the recorded verdict raises ``ValueError``, so a notebook cannot print a conclusion its ledger does not support.
+
+    >>> checks.conclude("NGD beats K-FAC",                                      # doctest: +SKIP
+    ...     reproduced="NGD is faster here, as the paper says.",
+    ...     not_reproduced="K-FAC is faster here, against the paper.",
+    ...     inconclusive="At this size the runs cannot tell NGD from K-FAC.")
+    """
+    text = conclusion_text(name, reproduced=reproduced, not_reproduced=not_reproduced, inconclusive=inconclusive,
+                           passed=passed, failed=failed)
+    shell = None
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:  # pragma: no cover - IPython ships with the notebook extra
+        pass
+    if shell is not None:
+        from IPython.display import Markdown, display
+
+        display(Markdown(text))
+    else:
+        print(text)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Rendering
 # --------------------------------------------------------------------------------------------------------
 _ICON = {
@@ -922,7 +1207,8 @@ class CheckTable:
             tol = "" if r.tolerance is None else f"{r.tolerance:.2g}"
             flag = " <em>(underpowered)</em>" if r.underpowered else ""
             note = r.route if r.kind == "identity" else r.note
-            what = (f'<br/><small class="curvlab-compares">{html.escape(r.compares)} ({html.escape(r.evidence)})</small>'
+            label = r.evidence + (f": {r.basis}" if r.basis else "")
+            what = (f'<br/><small class="curvlab-compares">{html.escape(r.compares)} ({html.escape(label)})</small>'
                     if r.compares and r.kind != "claim" else "")
             cells = (
                 _ICON.get(r.status, ""),
