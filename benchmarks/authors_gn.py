@@ -17,6 +17,14 @@ copied here). It is *their algorithm*, step for step, written again for curvlab'
 4. **Direction.** ``Δ_p = J_pᵀ z`` per parameter (``z`` cast back to the parameters' dtype); the optimizer's update
    is ``p ← p − lr Δ_p``.
 
+**The model's forward, as theirs.** Their network (``models/multilayer_net.py``, ``OneHiddenLayer``) computes
+``h = SiLU(linear1(x))`` and the read-out as an ``einsum('hi,nh->ni', linear2.weight, h) / H`` with the read-out
+weight of shape ``(H, 1)``. :func:`forward_like_theirs` writes it the same way (same operations, same parameter
+shapes and order: ``W``, ``b``, ``v`` as an ``(m, 1)`` column). This matters for speed, not for the value: written
+as a matrix-vector product (``curvlab.meanfield.forward``), the backward of the read-out hands SiLU's backward a
+different cotangent layout inside the vmapped Jacobian, and the whole step runs at a different speed than theirs;
+``benchmarks/bench_authors_code.py`` times both against their released code.
+
 Two properties of this route that the book discusses (chapter 20, the deviations page):
 
 * For a positive semi-definite ``A`` the SVD is an eigendecomposition and the step equals the damped GN step
@@ -34,7 +42,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["AuthorsGN", "chunked_vmap", "svd_solve", "svd_solve_as_eigen"]
+__all__ = ["AuthorsGN", "chunked_vmap", "svd_solve", "svd_solve_as_eigen", "forward_like_theirs"]
+
+
+def forward_like_theirs(X: torch.Tensor, W: torch.Tensor, b: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Their ``OneHiddenLayer.forward``: ``einsum('hi,nh->ni', v, SiLU(X Wᵀ + b)) / H`` with ``v`` of shape
+    ``(H, 1)``; returns ``(n, 1)``. The same function as :func:`curvlab.meanfield.forward` with SiLU."""
+    h = torch.nn.functional.silu(torch.nn.functional.linear(X, W, b))
+    return torch.einsum("hi,nh->ni", v, h) / W.shape[0]
 
 
 def chunked_vmap(func: Callable, pieces: int, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -105,7 +105,7 @@ def _write_agreement(table: pd.DataFrame, quick: bool) -> None:
 def main(quick: bool = False) -> list:
     """Run the benchmark; print and return the ratio table and the agreement table."""
     STATES.clear()
-    frame = compare("conv_gn_routes", ROUTES, sizes(quick), setup=problem, repeats=3 if quick else 5, warmup=1,
+    frame = compare("conv_gn_routes", ROUTES, sizes(quick), setup=problem, repeats=5, warmup=1,
                     baseline="dense", memory=True, min_time=0.05)
     agree = agreement()
     _write_agreement(agree, quick)

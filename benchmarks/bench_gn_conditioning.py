@@ -294,7 +294,7 @@ def main(quick: bool = False) -> list:
     """Run both benchmarks; print and return their ratio tables (and the agreement table)."""
     STATES.clear()
     SCALING_STATES.clear()
-    repeats = 2 if quick else 5
+    repeats = 5
     routes = compare("gn_conditioning_routes", ROUTES, route_sizes(quick), setup=_setup_routes,
                      repeats=repeats, warmup=1, baseline="dense", memory=not quick, min_time=0.05)
     scaling = compare("gn_conditioning_scaling", SCALING, scaling_sizes(quick), setup=_setup_scaling,
@@ -309,7 +309,8 @@ def main(quick: bool = False) -> list:
     tables = [ratio_table(routes), ratio_table(scaling), agree, fit, general, gmodel]
     if not quick:   # the MNIST-sized case: minutes on two cores, one timed call, reported as measured
         mnist = compare("gn_conditioning_mnist", {"reduced": kappa_reduced}, [MNIST_SIZE],
-                        setup=lambda **kw: problem(**kw, dense=False), repeats=1, warmup=0, memory=False)
+                        setup=lambda **kw: problem(**kw, dense=False), repeats=1, warmup=0, memory=False,
+                        allow_few_repeats=True, threads=(1,))
         tables.append(ratio_table(mnist))
     tables += scaling_curves(quick)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
@@ -329,7 +330,7 @@ def scaling_curves(quick: bool = False) -> list:
     return [scaling("gn_conditioning_width_scaling", {"reduced": kappa_reduced},
                     [{**base, "m": int(m)} for m in np.geomspace(lo, hi, k).round()], x="m", probe={**base, "m": 2},
                     setup=lambda d, d_y, L, m: problem(d, d_y, L, m, dense=False), expected={"reduced": 2.0},
-                    repeats=3 if quick else 5,
+                    repeats=5,
                     model="Chapters 30–31: κ(GN) of a deep linear network by the reduced route (QR-accumulated "
                           "layer products), d = 8, d_y = 4, L = 3; model L m²(d + d_y) + (d_y d)³, exponent 2 in m. "
                           "Every size's m x m layer exceeds the last-level cache (one memory regime).")]

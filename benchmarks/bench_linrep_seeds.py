@@ -66,7 +66,7 @@ def main(quick: bool = False) -> list:
     shapes = [(60, 6, 20, 240)] if quick else [(60, 6, 20, 240), (100, 8, 20, 500)]
     sizes = [{"method": m, "S": S, "d": d, "k": k, "d_y": dy, "n": n, "T": T}
              for (d, k, dy, n) in shapes for m in ("AMGD", "K-FAC")]
-    frame = compare("linrep_seeds", VARIANTS, sizes, setup=setup, repeats=3 if quick else 9, warmup=1,
+    frame = compare("linrep_seeds", VARIANTS, sizes, setup=setup, repeats=5 if quick else 9, warmup=1,
                     baseline="looped")
     return [ratio_table(frame)]
 

@@ -306,7 +306,7 @@ def main(quick: bool = False) -> list:
         return []
     dense = {"n": 32 if quick else 128, "d": 32, "width": 24 if quick else 32}  # p = 1642 / 2442: dense p x p fits
     large = {"n": 32 if quick else 128, "d": 784, "width": 1024, "dtype": "float32"}  # p = 1.86e6: it would not
-    repeats = 3 if quick else 5
+    repeats = 5
     tables = []
     frame = compare("model_ggn_vector_product", GVP_VARIANTS, [dense, large], setup=gvp_setup, repeats=repeats,
                     warmup=1, baseline="curvlinops", min_time=0.2)

@@ -1,5 +1,28 @@
 """One schema for every Curvature Lab benchmark: variants timed side by side, ratios with their spread.
 
+**The protocol** (fixed here, once, for every benchmark; :data:`PROTOCOL` is written into each results file):
+
+1. *Threads.* Every comparison runs twice, with one torch thread and with torch's default (one per core available,
+   :func:`default_threads`); the rows carry a ``threads`` column, and ratios are taken within a thread setting.
+   The one-thread ratios are the ones the performance page quotes for the algorithm: on a shared machine the
+   default setting also measures how many cores other jobs leave free (and OpenMP oversubscription).
+2. *Routes alternated.* Repeat ``k`` runs every variant once, in an order rotated by ``k``.
+3. *Repeats.* At least :data:`MIN_REPEATS` (5) repeats per size and thread setting (:func:`compare` raises below
+   that unless ``allow_few_repeats``, which marks the file as outside the protocol).
+4. *Statistics.* The median of the paired per-repeat ratios ``t_variant / t_baseline`` and a distribution-free
+   interval of that median from order statistics (:func:`median_interval`: ``[x_(k), x_(n+1-k)]`` with the largest
+   ``k`` whose binomial coverage is at least :data:`INTERVAL_COVERAGE`; its exact coverage is recorded), never a
+   bootstrap of a median of three; fewer than :data:`MIN_REPEATS` values give no interval.
+5. *Load.* The one-minute load average is recorded before and after each thread setting's run. A run is *flagged*
+   (not refused: on a shared machine nothing would run) when another job's load exceeds :data:`LOAD_LIMIT_PER_CORE`
+   per core available: load before > limit x cores, or load after minus the run's own threads > limit x cores.
+   The flag and both loads are in the results file and in every table.
+6. *Provenance.* Each results file records the revision (:func:`code_revision`; ``dirty`` when files under
+   ``lib/`` or ``benchmarks/`` differ from it — the performance page refuses such a file), the SHA-256 of every
+   library and benchmark source file the timed calls executed (traced once per variant, untimed:
+   ``exercised_code``; the page flags a table whose code has changed since), every size, the fixed parameters,
+   the thread counts, the loads and the machine.
+
 :func:`compare` runs several implementations of the same computation in ONE process, interleaved per repeat
 (repeat ``k`` runs every variant once, in an order rotated by ``k``), so that drifts in machine load, clock
 and caches hit all variants alike; ratios are then taken *per repeat* against a named baseline (paired).
@@ -16,7 +39,7 @@ Measured per call:
   - elsewhere (MPS): not measured (``NaN``, method ``"unavailable"``).
 
 Results are a tidy frame (one row per benchmark x size x variant x repeat), a ratio table (median paired ratio
-vs the baseline, its IQR and a bootstrap 95% interval of the median), and machine information; they are
+vs the baseline, its IQR and the order-statistic interval of the median), and machine information; they are
 written to ``benchmarks/results/<name>.json`` and ``benchmarks/results/<name>.md`` (a table for MyST
 ``{include}``). Nothing here asserts anything about speed: performance claims live in these reports only.
 
@@ -34,10 +57,12 @@ misfit, sub-leading terms). The verdict compares it with the expected exponent o
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -51,10 +76,31 @@ from curvlab import config
 
 RESULTS_DIR = Path(os.environ.get("CURVLAB_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 RESERVED = ("benchmark", "size", "variant", "repeat", "order", "time_s", "calls_per_timing", "peak_mem_bytes", "mem_method",
-            "device")
+            "device", "threads")
+ROOT = Path(__file__).resolve().parents[1]
+
+#: At least this many repeats per size and thread setting (the protocol's item 3).
+MIN_REPEATS = 5
+#: The interval of a median ratio covers the true median with at least this probability (order statistics).
+INTERVAL_COVERAGE = 0.90
+#: A run is flagged when other jobs' one-minute load average exceeds this many per core available.
+LOAD_LIMIT_PER_CORE = 0.5
+#: The thread settings every comparison runs at: one thread and torch's default.
+THREAD_SETTINGS = (1, "default")
+PROTOCOL = {
+    "threads": "1 and torch's default (one per core available); ratios within a thread setting",
+    "order": "variants alternated: repeat k runs every variant once, order rotated by k",
+    "min_repeats": MIN_REPEATS,
+    "statistic": "median of paired per-repeat ratios",
+    "interval": f"order statistics [x_(k), x_(n+1-k)], largest k with binomial coverage >= {INTERVAL_COVERAGE:g}",
+    "load_limit_per_core": LOAD_LIMIT_PER_CORE,
+    "load_rule": "flagged when load before > limit x cores, or load after - own threads > limit x cores",
+}
 
 __all__ = ["compare", "ratio_table", "machine_info", "write_results", "RESULTS_DIR", "scaling", "fit_exponent",
-           "scaling_table", "write_scaling", "OVERHEAD_FACTOR", "MIN_SIZES"]
+           "scaling_table", "write_scaling", "OVERHEAD_FACTOR", "MIN_SIZES", "MIN_REPEATS", "PROTOCOL",
+           "median_interval", "default_threads", "load_average", "load_flag", "trace_code", "code_hashes",
+           "provenance", "figure"]
 
 #: A size is overhead-dominated when its median time is below OVERHEAD_FACTOR x the probe's (fixed cost <= 5 %).
 OVERHEAD_FACTOR = 20.0
@@ -112,6 +158,105 @@ def _label(size: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in size.items())
 
 
+# ----------------------------------------------------------------------------------------------- protocol helpers
+def default_threads() -> int:
+    """torch's default intra-op thread count here: one per core available (what ``OMP_NUM_THREADS`` unset gives),
+    whatever the current setting; ``CURVLAB_BENCH_DEFAULT_THREADS`` overrides it."""
+    env = os.environ.get("CURVLAB_BENCH_DEFAULT_THREADS")
+    if env:
+        return max(1, int(env))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _resolve_threads(setting: int | str) -> int:
+    if setting == "default":
+        return default_threads()
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"threads must hold positive integers or 'default', got {setting!r}")
+    return setting
+
+
+def load_average() -> float | None:
+    """The one-minute load average (``None`` where the OS has none)."""
+    return float(os.getloadavg()[0]) if hasattr(os, "getloadavg") else None
+
+
+def load_flag(before: float | None, after: float | None, threads: int, cores: int | None = None) -> bool:
+    """True when other jobs' load exceeded :data:`LOAD_LIMIT_PER_CORE` per core during a run (protocol item 5)."""
+    cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    limit = LOAD_LIMIT_PER_CORE * cores
+    return bool((before is not None and before > limit) or (after is not None and after - threads > limit))
+
+
+def median_interval(x: Sequence[float], coverage: float = INTERVAL_COVERAGE) -> tuple[float, float, float]:
+    """Distribution-free interval of the median of ``x``: ``(low, high, coverage)`` = ``[x_(k), x_(n+1-k)]`` for the
+    largest ``k`` whose coverage ``1 - 2 P(Bin(n, 1/2) < k)`` is at least ``coverage``. Fewer than
+    :data:`MIN_REPEATS` values (or none reaching the coverage): ``(nan, nan, nan)``."""
+    from scipy import stats
+
+    v = np.sort(np.asarray(x, dtype=float))
+    n = len(v)
+    if n < MIN_REPEATS:
+        return float("nan"), float("nan"), float("nan")
+    best = None
+    for k in range(1, n // 2 + 1):
+        cov = 1.0 - 2.0 * float(stats.binom.cdf(k - 1, n, 0.5))
+        if cov >= coverage:
+            best = (float(v[k - 1]), float(v[n - k]), cov)
+    return best if best is not None else (float("nan"), float("nan"), float("nan"))
+
+
+def trace_code(thunk: Callable[[], Any], root: Path | None = None) -> set[str]:
+    """Run ``thunk()`` once under ``sys.setprofile`` and return the source files under ``root/lib`` and
+    ``root/benchmarks`` whose Python functions it called (paths relative to ``root``)."""
+    root = (root or ROOT).resolve()
+    seen: set[str] = set()
+
+    def prof(frame, event, arg):  # noqa: ANN001
+        if event == "call":
+            seen.add(frame.f_code.co_filename)
+
+    previous = sys.getprofile()
+    sys.setprofile(prof)
+    try:
+        thunk()
+    finally:
+        sys.setprofile(previous)
+    out = set()
+    for f in seen:
+        try:
+            rel = Path(f).resolve().relative_to(root)
+        except (ValueError, OSError):
+            continue
+        if rel.parts and rel.parts[0] in ("lib", "benchmarks") and rel.suffix == ".py":
+            out.add(rel.as_posix())
+    return out
+
+
+def code_hashes(paths: Sequence[str], root: Path | None = None) -> dict[str, str]:
+    """``{path: sha256 of its bytes}`` for repository-relative ``paths`` (what the page compares with the tree)."""
+    root = root or ROOT
+    return {p: hashlib.sha256((root / p).read_bytes()).hexdigest() for p in sorted(set(paths)) if (root / p).is_file()}
+
+
+def provenance(extra_files: Sequence[str] = ()) -> dict[str, Any]:
+    """Revision and dirtiness of the checkout, and where ``curvlab`` was imported from (it must be this checkout's
+    ``lib/``, or the revision says nothing about the code that ran)."""
+    import curvlab
+
+    rev = code_revision(ROOT)
+    lib = Path(curvlab.__file__).resolve().parent
+    inside = (ROOT / "lib" / "curvlab").resolve() == lib
+    dirty = bool(rev["uncommitted_changes"]) or rev["revision"] == "unknown" or not inside
+    return {**rev, "dirty": dirty, "curvlab_path": str(lib), "curvlab_from_checkout": inside,
+            "revision_label": rev["revision"] + ("+dirty" if dirty else "")}
+
+
+def figure(value: float, text: str, **context: Any) -> dict[str, Any]:
+    """A named figure for the performance page: the number, the text the page shows, and what it was measured on."""
+    return {"value": None if value is None or not np.isfinite(value) else float(value), "text": text, **context}
+
+
 # ----------------------------------------------------------------------------------------------- compare
 def compare(
     name: str,
@@ -127,8 +272,19 @@ def compare(
     write: bool = True,
     results_dir: str | Path | None = None,
     min_time: float | None = None,
+    threads: Sequence[int | str] = THREAD_SETTINGS,
+    fixed: Mapping[str, Any] | None = None,
+    trace: bool = True,
+    allow_few_repeats: bool = False,
+    figures: Callable[[pd.DataFrame], Mapping[str, Any]] | None = None,
 ) -> pd.DataFrame:
-    """Time ``variants`` side by side at every size; return the tidy frame (and write the reports if ``write``).
+    """Time ``variants`` side by side at every size and thread setting; return the tidy frame (and write the
+    reports if ``write``), under the module's protocol.
+
+    ``threads``: the thread settings, each run as a whole comparison (default: one thread and torch's default).
+    ``fixed``: parameters every size shares that are not keys of ``sizes`` (``n``, dtype, ...), recorded in the file.
+    ``trace``: record the source files each variant executes (one untimed traced call per variant at the first
+    size). ``figures``: ``frame -> {name: figure(...)}``, named numbers the performance page cites.
 
     ``min_time`` (seconds; needs ``warmup >= 1``): a variant whose warm-up call took less is timed over ``number``
     back-to-back calls per repeat, ``number`` chosen from the warm-up so that a timing lasts about ``min_time``
@@ -139,7 +295,7 @@ def compare(
     ``state = setup(**size)`` is built once per size, untimed, and each variant is timed as ``variant(state)``.
     ``baseline`` (default: the first variant) is the denominator of the ratio table. ``device`` decides
     synchronisation and the memory method (default :func:`curvlab.config.device`).
-    The frame's ``attrs`` hold ``machine`` (:func:`machine_info`), ``baseline`` and the settings.
+    The frame's ``attrs`` hold ``machine`` (:func:`machine_info`), ``baseline``, the settings and the runs' loads.
     """
     if not isinstance(name, str) or not name or any(c in name for c in "/\\ "):
         raise ValueError(f"name must be a non-empty file-name-safe string, got {name!r}")
@@ -154,71 +310,98 @@ def compare(
         raise ValueError(f"baseline must be one of {list(variants)}, got {baseline!r}")
     if int(repeats) < 1 or int(warmup) < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    if int(repeats) < MIN_REPEATS and not allow_few_repeats:
+        raise ValueError(f"repeats must be >= {MIN_REPEATS} (the protocol), got {repeats}; "
+                         "pass allow_few_repeats=True for a run marked outside the protocol")
     if min_time is not None and (not min_time > 0 or int(warmup) < 1):
         raise ValueError(f"min_time must be > 0 and needs warmup >= 1, got min_time={min_time}, warmup={warmup}")
+    if not threads:
+        raise ValueError("threads must name at least one thread setting (an int or 'default')")
+    settings_threads = [_resolve_threads(t) for t in threads]
     dev = config.device() if device is None else torch.device(device)
     names = list(variants)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    rows = []
-    for size in sizes:
-        state = setup(**size) if setup is not None else None
-        thunks = {v: (lambda f=variants[v]: f(state)) if setup is not None else (lambda f=variants[v]: f(**size))
-                  for v in names}
-        number = dict.fromkeys(names, 1)
-        for _ in range(int(warmup)):
-            for v in names:
-                t = _time_call(thunks[v], dev)
-                if min_time is not None:
-                    number[v] = max(1, math.ceil(min_time / max(t, 1e-9)))
-        mem = {v: _peak_memory(thunks[v], dev) if memory else (float("nan"), "not measured") for v in names}
-        for rep in range(int(repeats)):
-            order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no variant always goes first
-            for pos, v in enumerate(order):
-                t = _time_call(thunks[v], dev, number[v])
-                rows.append({"benchmark": name, "size": _label(size), **size, "variant": v, "repeat": rep,
-                             "order": pos, "time_s": t, "calls_per_timing": number[v],
-                             "peak_mem_bytes": mem[v][0], "mem_method": mem[v][1], "device": str(dev)})
+    rows, runs, exercised = [], [], set()
+    states: dict[int, Any] = {}
+    previous = torch.get_num_threads()
+    try:
+        for t_label, nthreads in zip(threads, settings_threads):
+            torch.set_num_threads(nthreads)
+            before, t_start = load_average(), time.perf_counter()
+            for i, size in enumerate(sizes):
+                if setup is not None and i not in states:
+                    states[i] = setup(**size)
+                state = states.get(i)
+                thunks = {v: (lambda f=variants[v]: f(state)) if setup is not None
+                          else (lambda f=variants[v], sz=size: f(**sz)) for v in names}
+                if trace and i == 0 and not exercised:
+                    for v in names:
+                        exercised |= trace_code(thunks[v])
+                number = dict.fromkeys(names, 1)
+                for _ in range(int(warmup)):
+                    for v in names:
+                        t = _time_call(thunks[v], dev)
+                        if min_time is not None:
+                            number[v] = max(1, math.ceil(min_time / max(t, 1e-9)))
+                mem = {v: _peak_memory(thunks[v], dev) if memory else (float("nan"), "not measured") for v in names}
+                for rep in range(int(repeats)):
+                    order = names[rep % len(names):] + names[: rep % len(names)]  # rotate: none always goes first
+                    for pos, v in enumerate(order):
+                        t = _time_call(thunks[v], dev, number[v])
+                        rows.append({"benchmark": name, "size": _label(size), **size, "threads": nthreads,
+                                     "variant": v, "repeat": rep, "order": pos, "time_s": t,
+                                     "calls_per_timing": number[v], "peak_mem_bytes": mem[v][0],
+                                     "mem_method": mem[v][1], "device": str(dev)})
+            after = load_average()
+            runs.append({"threads": nthreads, "setting": str(t_label), "load_before": before, "load_after": after,
+                         "wall_s": time.perf_counter() - t_start, "cores_available": cores,
+                         "flagged": load_flag(before, after, nthreads, cores)})
+    finally:
+        torch.set_num_threads(previous)
     frame = pd.DataFrame(rows)
-    frame.attrs.update(machine=machine_info(dev), baseline=baseline,
+    frame.attrs.update(machine=machine_info(dev), baseline=baseline, runs=runs,
+                       exercised_code=code_hashes(sorted(exercised)),
                        settings={"repeats": int(repeats), "warmup": int(warmup), "min_time": min_time,
-                                 "sizes": [dict(s) for s in sizes]})
+                                 "sizes": [dict(s) for s in sizes], "fixed": dict(fixed or {}),
+                                 "threads": settings_threads, "protocol_ok": int(repeats) >= MIN_REPEATS})
+    if figures is not None:
+        frame.attrs["figures"] = dict(figures(frame))
     if write:
         write_results(name, frame, results_dir=results_dir)
     return frame
 
 
 # ----------------------------------------------------------------------------------------------- summaries
-def _bootstrap_median_ci(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> tuple[float, float]:
-    if len(x) < 2:
-        return float(x[0]), float(x[0])
-    meds = np.median(rng.choice(x, size=(n_boot, len(x)), replace=True), axis=1)
-    return float(np.quantile(meds, 0.025)), float(np.quantile(meds, 0.975))
-
-
-def ratio_table(frame: pd.DataFrame, baseline: str | None = None, *, n_boot: int = 2000, seed: int = 0) -> pd.DataFrame:
-    """Per size and variant: median time and the median of the PAIRED per-repeat ratios ``t_variant / t_baseline``.
+def ratio_table(frame: pd.DataFrame, baseline: str | None = None) -> pd.DataFrame:
+    """Per size, thread setting and variant: median time and the median of the PAIRED per-repeat ratios
+    ``t_variant / t_baseline`` (the same size, thread setting and repeat).
 
     A ratio below 1 means faster than the baseline. Spread: the interquartile range of the paired ratios
-    (``ratio_q25``, ``ratio_q75``) and a bootstrap 95% interval of their median (``ratio_ci_low/high``).
-    ``mem_ratio`` is the peak-memory ratio to the baseline.
+    (``ratio_q25``, ``ratio_q75``) and the order-statistic interval of their median (``ratio_ci_low/high``, exact
+    coverage ``ratio_ci_coverage``; none with fewer than :data:`MIN_REPEATS` repeats). ``mem_ratio`` is the
+    peak-memory ratio to the baseline.
     """
     baseline = frame.attrs.get("baseline") if baseline is None else baseline
     if baseline not in set(frame["variant"]):
         known = sorted(set(frame["variant"]))
         raise ValueError(f"baseline must be one of the frame's variants {known}, got {baseline!r}")
-    rng = np.random.default_rng(seed)
-    base = frame[frame["variant"] == baseline].set_index(["size", "repeat"])
+    if "threads" not in frame:
+        frame = frame.assign(threads=torch.get_num_threads())
+    key = ["size", "threads", "repeat"]
+    base = frame[frame["variant"] == baseline].set_index(key)
     out = []
-    for (size, variant), g in frame.groupby(["size", "variant"], sort=False):
-        g = g.set_index(["size", "repeat"])
+    for (size, threads, variant), g in frame.groupby(["size", "threads", "variant"], sort=False):
+        g = g.set_index(key)
         ratios = (g["time_s"] / base.loc[g.index, "time_s"]).to_numpy()
-        lo, hi = _bootstrap_median_ci(ratios, n_boot, rng)
+        lo, hi, cov = median_interval(ratios)
         mem, base_mem = g["peak_mem_bytes"].iloc[0], base.loc[g.index, "peak_mem_bytes"].iloc[0]
-        out.append({"benchmark": g["benchmark"].iloc[0], "size": size, "variant": variant, "baseline": baseline,
-                    "repeats": len(ratios), "median_time_s": float(g["time_s"].median()),
+        out.append({"benchmark": g["benchmark"].iloc[0], "size": size, "threads": int(threads), "variant": variant,
+                    "baseline": baseline, "repeats": len(ratios), "median_time_s": float(g["time_s"].median()),
                     "min_time_s": float(g["time_s"].min()),
                     "ratio": float(np.median(ratios)), "ratio_q25": float(np.quantile(ratios, 0.25)),
                     "ratio_q75": float(np.quantile(ratios, 0.75)), "ratio_ci_low": lo, "ratio_ci_high": hi,
+                    "ratio_ci_coverage": cov,
                     "peak_mem_bytes": float(mem), "mem_ratio": float(mem / base_mem) if base_mem > 0 else float("nan")})
     return pd.DataFrame(out)
 
@@ -291,7 +474,7 @@ def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
         "numpy": np.__version__,
         "pandas": pd.__version__,
         "platform": platform.platform(),
-        **code_revision(),
+        **provenance(),
         "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -301,29 +484,54 @@ def _fmt(x: float, spec: str) -> str:
     return "–" if x is None or not np.isfinite(x) else format(x, spec)
 
 
-def _markdown(name: str, ratios: pd.DataFrame, machine: Mapping[str, Any], settings: Mapping[str, Any],
-              mem_method: str) -> str:
-    m = machine
+def _kv(d: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} = {v}" for k, v in d.items())
+
+
+def runs_text(runs: Sequence[Mapping[str, Any]]) -> str:
+    """One clause per thread setting: threads, load before/after, flagged or not."""
+    parts = []
+    for r in runs:
+        parts.append(f"{r['threads']} thread{'s' if r['threads'] != 1 else ''}: load average "
+                     f"{_fmt(r.get('load_before'), '.2f')} before, {_fmt(r.get('load_after'), '.2f')} after on "
+                     f"{r.get('cores_available', '?')} cores"
+                     + (" — **flagged: the machine was loaded**" if r.get("flagged") else ""))
+    return "; ".join(parts)
+
+
+def machine_text(m: Mapping[str, Any]) -> str:
     where = f"{m['device']}" + (f" ({m['gpu']})" if m.get("gpu") else "")
+    rev = m.get("revision_label") or m.get("curvlab_revision", "unknown")
+    return (f"{m['cpu_model']}, {m['cores_available']} cores available, device {where}; torch {m['torch']}, "
+            f"numpy {m['numpy']}; rev `{rev}`; {m['timestamp_utc']}")
+
+
+def _markdown(name: str, ratios: pd.DataFrame, machine: Mapping[str, Any], settings: Mapping[str, Any],
+              mem_method: str, runs: Sequence[Mapping[str, Any]] = ()) -> str:
+    m = machine
+    sizes = "; ".join(_kv(sz) for sz in settings.get("sizes", []))
+    fixed = settings.get("fixed") or {}
     head = [
-        f"**Benchmark `{name}`** — median wall time over {settings['repeats']} interleaved repeats "
-        f"(warm-up {settings['warmup']}"
+        f"**Benchmark `{name}`** — median wall time over {settings['repeats']} alternated repeats per size and "
+        f"thread setting (warm-up {settings['warmup']}"
         + (f"; calls under {settings['min_time'] * 1e3:g} ms timed back to back over about that long, per call"
            if settings.get("min_time") else "")
-        + f"); *ratio* = variant / `{ratios['baseline'].iloc[0]}` per repeat "
-        "(below 1: faster), median [IQR] and bootstrap 95% interval of the median. "
+        + f"); *ratio* = variant / `{ratios['baseline'].iloc[0]}`, paired per repeat (below 1: faster), median, "
+        "IQR and the order-statistic interval of the median (coverage in the JSON). "
         f"Peak memory: {mem_method}.",
         "",
-        f"Machine: {m['cpu_model']}, {m['cores_available']} cores available (torch threads {m['torch_threads']}, "
-        f"load average {_fmt(m.get('load_average_1min'), '.2f')} at the start), "
-        f"device {where}; torch {m['torch']}, numpy {m['numpy']}; {revision_text(m)}; "
-        f"{m['timestamp_utc']}.",
+        f"Sizes: {sizes}" + (f"; fixed: {_kv(fixed)}" if fixed else "") + ".",
         "",
-        "| size | variant | median time (ms) | time ratio | IQR | 95% CI | peak mem (MiB) | mem ratio |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        f"Runs: {runs_text(runs)}." if runs else "Runs: load not recorded.",
+        "",
+        f"Machine: {machine_text(m)}."
+        + ("" if settings.get("protocol_ok", True) else f" **Fewer than {MIN_REPEATS} repeats: outside the protocol.**"),
+        "",
+        "| size | threads | variant | median time (ms) | time ratio | IQR | interval | peak mem (MiB) | mem ratio |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     body = [
-        f"| {r.size} | {r.variant} | {_fmt(1e3 * r.median_time_s, '.3g')} | {_fmt(r.ratio, '.3g')} | "
+        f"| {r.size} | {r.threads} | {r.variant} | {_fmt(1e3 * r.median_time_s, '.3g')} | {_fmt(r.ratio, '.3g')} | "
         f"{_fmt(r.ratio_q25, '.3g')}–{_fmt(r.ratio_q75, '.3g')} | "
         f"{_fmt(r.ratio_ci_low, '.3g')}–{_fmt(r.ratio_ci_high, '.3g')} | "
         f"{_fmt(r.peak_mem_bytes / 2**20, '.3g')} | {_fmt(r.mem_ratio, '.3g')} |"
@@ -332,22 +540,52 @@ def _markdown(name: str, ratios: pd.DataFrame, machine: Mapping[str, Any], setti
     return "\n".join(head + body) + "\n"
 
 
+def write_payload(name: str, payload: Mapping[str, Any], markdown: str | None = None, *,
+                  results_dir: str | Path | None = None) -> Path:
+    """Write a results file that is not a comparison (a measurement of its own), with the protocol and provenance
+    fields the performance page requires: ``machine`` (:func:`machine_info`) is added when missing."""
+    out = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    body = {"name": name, "protocol": PROTOCOL, **payload}
+    body.setdefault("machine", machine_info())
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(body, indent=1, default=float) + "\n")
+    if markdown is not None:
+        (out / f"{name}.md").write_text(markdown)
+    _warn_dirty(body["machine"], path)
+    return path
+
+
+def _warn_dirty(machine: Mapping[str, Any], path: Path) -> None:
+    if machine.get("dirty"):
+        print(f"warning: {path.name} was measured on a dirty or foreign checkout ({machine.get('revision_label')}, "
+              f"curvlab from {machine.get('curvlab_path')}); the performance page will refuse it", file=sys.stderr)
+
+
 def write_results(name: str, frame: pd.DataFrame, *, results_dir: str | Path | None = None) -> tuple[Path, Path]:
-    """Write ``<results_dir>/<name>.json`` (machine, settings, raw rows, ratios) and ``<name>.md``; return the paths."""
+    """Write ``<results_dir>/<name>.json`` (protocol, machine, settings, runs, exercised code, figures, raw rows,
+    ratios) and ``<name>.md``; return the paths."""
     out = Path(results_dir) if results_dir is not None else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     ratios = ratio_table(frame)
     machine, settings = frame.attrs["machine"], frame.attrs["settings"]
+    runs = frame.attrs.get("runs", [])
     payload = {
         "name": name,
+        "protocol": PROTOCOL,
         "machine": machine,
         "settings": {**settings, "baseline": frame.attrs["baseline"]},
+        "runs": runs,
+        "flagged": any(r.get("flagged") for r in runs),
+        "exercised_code": frame.attrs.get("exercised_code", {}),
+        "figures": frame.attrs.get("figures", {}),
         "ratios": json.loads(ratios.to_json(orient="records")),
         "records": json.loads(frame.to_json(orient="records")),
     }
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps(payload, indent=1) + "\n")
-    md_path.write_text(_markdown(name, ratios, machine, settings, str(frame["mem_method"].iloc[0])))
+    md_path.write_text(_markdown(name, ratios, machine, settings, str(frame["mem_method"].iloc[0]), runs))
+    _warn_dirty(machine, json_path)
     return json_path, md_path
 
 
@@ -437,7 +675,8 @@ def scaling(name: str, variants: Mapping[str, Callable[..., Any]], sizes: Sequen
             expected: Mapping[str, float], probe: Mapping[str, Any], setup: Callable[..., Any] | None = None,
             repeats: int = 5, warmup: int = 1, overhead_factor: float = OVERHEAD_FACTOR, model: str = "",
             device: torch.device | str | None = None, single_thread: bool = True, write: bool = True,
-            results_dir: str | Path | None = None) -> pd.DataFrame:
+            results_dir: str | Path | None = None, allow_few_repeats: bool = False,
+            fixed: Mapping[str, Any] | None = None) -> pd.DataFrame:
     """Cost-vs-size curve: time ``variants`` at ``probe`` and at every size of ``sizes`` (interleaved, as in
     :func:`compare`), apply the exclusion rule, fit the exponents in the size key ``x``; return the fits.
 
@@ -449,17 +688,15 @@ def scaling(name: str, variants: Mapping[str, Callable[..., Any]], sizes: Sequen
         raise ValueError(f"x must be a key of probe and of every size, got {x!r}")
     if len({float(s[x]) for s in sizes}) < 3:
         raise ValueError(f"sizes must give at least 3 distinct values of {x!r}")
-    threads = torch.get_num_threads()
-    if single_thread:  # the exponent is the algorithm's: one thread keeps other jobs' load on a shared machine out
-        torch.set_num_threads(1)
-    try:
-        frame = compare(name, variants, [probe, *sizes], setup=setup, repeats=repeats, warmup=warmup,
-                        baseline=next(iter(variants)), device=device, memory=False, write=False)
-    finally:
-        torch.set_num_threads(threads)
+    # the exponent is the algorithm's: one thread keeps other jobs' load on a shared machine out
+    frame = compare(name, variants, [probe, *sizes], setup=setup, repeats=repeats, warmup=warmup,
+                    baseline=next(iter(variants)), device=device, memory=False, write=False,
+                    threads=(1,) if single_thread else ("default",), allow_few_repeats=allow_few_repeats,
+                    fixed=fixed)
     points, fits = scaling_table(frame, x=x, expected=expected, probe=_label(probe), overhead_factor=overhead_factor)
     fits.attrs.update(points=points, machine=frame.attrs["machine"], model=model, probe=_label(probe),
-                      settings=frame.attrs["settings"], overhead_factor=overhead_factor)
+                      settings=frame.attrs["settings"], overhead_factor=overhead_factor,
+                      runs=frame.attrs.get("runs", []), exercised_code=frame.attrs.get("exercised_code", {}))
     if write:
         write_scaling(name, fits, results_dir=results_dir)
     return fits
@@ -474,9 +711,11 @@ def _scaling_markdown(name: str, fits: pd.DataFrame) -> str:
         f"below {a['overhead_factor']:g} × the probe's are excluded as overhead-dominated; 95 % interval: union of "
         "a bootstrap over repeats and the Student-*t* interval of the slope.",
         "",
-        f"Machine: {m['cpu_model']}, {m['cores_available']} cores available (torch threads {m['torch_threads']}, "
-        f"load average {_fmt(m.get('load_average_1min'), '.2f')} at the start), device {m['device']}; "
-        f"torch {m['torch']}, numpy {m['numpy']}; {revision_text(m)}; {m['timestamp_utc']}.",
+        f"Sizes: {'; '.join(_kv(sz) for sz in a['settings'].get('sizes', []))}.",
+        "",
+        f"Runs: {runs_text(a.get('runs', []))}.",
+        "",
+        f"Machine: {machine_text(m)}.",
         "",
         f"| variant | sizes kept | {x} range | decades | fitted exponent | 95 % interval | expected | verdict |",
         "|---|---:|---|---:|---:|---|---:|---|",
@@ -531,13 +770,16 @@ def write_scaling(name: str, fits: pd.DataFrame, *, results_dir: str | Path | No
     out = Path(results_dir) if results_dir is not None else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     a = fits.attrs
-    payload = {"name": name, "kind": "scaling", "model": a["model"], "probe": a["probe"],
+    payload = {"name": name, "kind": "scaling", "protocol": PROTOCOL, "model": a["model"], "probe": a["probe"],
                "overhead_factor": a["overhead_factor"], "min_sizes": MIN_SIZES, "min_decades": MIN_DECADES,
-               "machine": a["machine"], "settings": a["settings"],
+               "machine": a["machine"], "settings": a["settings"], "runs": a.get("runs", []),
+               "flagged": any(r.get("flagged") for r in a.get("runs", [])),
+               "exercised_code": a.get("exercised_code", {}),
                "fits": json.loads(fits.to_json(orient="records")),
                "points": json.loads(a["points"].to_json(orient="records"))}
     paths = out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"
     paths[0].write_text(json.dumps(payload, indent=1) + "\n")
     paths[1].write_text(_scaling_markdown(name, fits))
     _scaling_figure(name, fits, paths[2])
+    _warn_dirty(a["machine"], paths[0])
     return paths

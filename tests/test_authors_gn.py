@@ -86,3 +86,21 @@ def test_chunk_fallback_doubles_and_keeps_the_result(monkeypatch):
     assert stats["pieces"] == 4 and opt.pieces == 4
     for a, b in zip(out, ref):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_forward_like_theirs_is_the_mean_field_forward_and_gives_the_same_step():
+    """The baseline's forward is written as the authors' (the read-out as an einsum over an (m, 1) weight): the same
+    function as curvlab.meanfield.forward, and the step built on it equals the step built on the latter."""
+    p, X, Y = _problem(n=12, m=20)
+    out = authors_gn.forward_like_theirs(X, p.W, p.b, p.v.reshape(-1, 1))
+    ref = mf.forward(p, X, "silu")
+    assert out.shape == (12, 1)
+    assert torch.allclose(out.reshape(-1), ref, rtol=1e-13, atol=1e-15)
+    r = ref - Y
+    (dW, db, dv), _ = authors_gn.AuthorsGN().direction(lambda W, b, v: authors_gn.forward_like_theirs(X, W, b, v),
+                                                       [p.W, p.b, p.v.reshape(-1, 1)], r)
+    (dv2, dW2, db2), _ = authors_gn.AuthorsGN().direction(lambda v, W, b: mf.forward(mf.MFParams(v, W, b), X, "silu"),
+                                                          [p.v, p.W, p.b], r)
+    assert dv.shape == (20, 1)
+    for a, b in ((dv.reshape(-1), dv2), (dW, dW2), (db, db2)):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()))

@@ -25,12 +25,15 @@ VARIANTS = {"ones": lambda n: torch.ones(n, 1000).sum(), "zeros": lambda n: torc
 
 
 def test_bench_harness_compare_schema_and_reports(harness, tmp_path):
-    frame = harness.compare("toy", VARIANTS, SIZES, repeats=3, warmup=1, device="cpu", results_dir=tmp_path)
+    frame = harness.compare("toy", VARIANTS, SIZES, repeats=5, warmup=1, device="cpu", results_dir=tmp_path,
+                            threads=(1, "default"), fixed={"dtype": "float32"})
     assert set(harness.RESERVED) | {"n"} <= set(frame.columns)
-    assert len(frame) == len(SIZES) * len(VARIANTS) * 3
-    per_repeat = frame.groupby(["size", "repeat"])["variant"].apply(set)
-    assert all(v == set(VARIANTS) for v in per_repeat)  # interleaved: every repeat runs every variant
-    first = frame[frame["order"] == 0].groupby("size")["variant"].nunique()
+    nthreads = 1 + (harness.default_threads() != 1)
+    assert len(frame) == len(SIZES) * len(VARIANTS) * 5 * 2
+    assert frame["threads"].nunique() == nthreads and 1 in set(frame["threads"])      # protocol 1: both settings
+    per_repeat = frame.groupby(["size", "threads", "repeat"])["variant"].apply(set)
+    assert all(v == set(VARIANTS) for v in per_repeat)  # alternated: every repeat runs every variant
+    first = frame[frame["order"] == 0].groupby(["size", "threads"])["variant"].nunique()
     assert (first == 2).all()  # the order rotates between repeats
     assert (frame["time_s"] > 0).all() and frame["mem_method"].str.len().gt(0).all()
     if frame["mem_method"].iloc[0].startswith("torch.profiler"):
@@ -38,18 +41,62 @@ def test_bench_harness_compare_schema_and_reports(harness, tmp_path):
         assert (ones["peak_mem_bytes"] >= 16 * 1000 * 4).all()  # the method sees torch's CPU allocations
 
     ratios = harness.ratio_table(frame)
-    want = {"size", "variant", "baseline", "median_time_s", "min_time_s", "ratio", "ratio_q25", "ratio_q75",
-            "ratio_ci_low", "ratio_ci_high", "peak_mem_bytes", "mem_ratio"}
-    assert want <= set(ratios.columns) and len(ratios) == 4
+    want = {"size", "threads", "variant", "baseline", "median_time_s", "min_time_s", "ratio", "ratio_q25",
+            "ratio_q75", "ratio_ci_low", "ratio_ci_high", "ratio_ci_coverage", "peak_mem_bytes", "mem_ratio"}
+    assert want <= set(ratios.columns) and len(ratios) == 4 * 2
     assert (ratios.loc[ratios["variant"] == "ones", "ratio"] == 1.0).all()  # default baseline: first variant
+    assert (ratios["ratio_ci_coverage"] >= harness.INTERVAL_COVERAGE).all()
 
     md = (tmp_path / "toy.md").read_text()
-    assert "| size | variant | median time (ms) | time ratio |" in md and "`ones`" in md
-    assert md.count("\n| n=") == 4 and "Peak memory:" in md and "Machine:" in md
+    assert "| size | threads | variant | median time (ms) | time ratio |" in md and "`ones`" in md
+    assert md.count("\n| n=") == 8 and "Peak memory:" in md and "Machine:" in md
+    assert "Sizes: n = 8; n = 16; fixed: dtype = float32." in md and "load average" in md and "before" in md
     payload = json.loads((tmp_path / "toy.json").read_text())
-    assert {"name", "machine", "settings", "ratios", "records"} <= set(payload)
-    assert {"cpu_model", "logical_cores", "torch", "numpy", "device", "curvlab_revision"} <= set(payload["machine"])
+    assert {"name", "protocol", "machine", "settings", "runs", "flagged", "exercised_code", "ratios",
+            "records"} <= set(payload)
+    assert {"cpu_model", "logical_cores", "torch", "numpy", "device", "revision", "dirty", "revision_label",
+            "curvlab_path"} <= set(payload["machine"])
     assert len(payload["records"]) == len(frame) and payload["settings"]["baseline"] == "ones"
+    assert payload["protocol"]["min_repeats"] == harness.MIN_REPEATS
+    assert [r["threads"] for r in payload["runs"]][0] == 1
+    assert all({"load_before", "load_after", "flagged"} <= set(r) for r in payload["runs"])
+    # the traced code: this test's lambdas live outside lib/ and benchmarks/, the harness itself inside
+    assert all(k.startswith(("lib/", "benchmarks/")) for k in payload["exercised_code"])
+    assert all(len(h) == 64 for h in payload["exercised_code"].values())
+
+
+def test_bench_harness_protocol_refuses_few_repeats_and_intervals_of_few_values(harness):
+    with pytest.raises(ValueError, match="repeats must be >= 5"):
+        harness.compare("toy", VARIANTS, SIZES, repeats=3, write=False)
+    frame = harness.compare("toy", VARIANTS, SIZES[:1], repeats=3, write=False, allow_few_repeats=True,
+                            threads=(1,), memory=False, trace=False)
+    assert frame.attrs["settings"]["protocol_ok"] is False
+    assert harness.ratio_table(frame)["ratio_ci_low"].isna().all()  # no interval from 3 values
+    lo, hi, cov = harness.median_interval([1.0, 2.0, 3.0])
+    assert all(x != x for x in (lo, hi, cov))
+    lo, hi, cov = harness.median_interval([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (lo, hi) == (1.0, 5.0) and cov == pytest.approx(1 - 2 / 32)        # [x_(1), x_(5)]: 93.75 %
+    lo, hi, cov = harness.median_interval(list(range(1, 10)))
+    assert (lo, hi) == (2.0, 8.0) and cov == pytest.approx(1 - 2 * 10 / 512)    # n = 9: [x_(2), x_(8)]
+    with pytest.raises(ValueError, match="threads"):
+        harness.compare("toy", VARIANTS, SIZES, threads=(0,), write=False)
+
+
+def test_bench_harness_load_flag_rule(harness):
+    limit = harness.LOAD_LIMIT_PER_CORE * 2
+    assert not harness.load_flag(0.2, 1.2, threads=1, cores=2)                  # own thread only
+    assert harness.load_flag(limit + 0.1, 0.5, threads=1, cores=2)              # busy before
+    assert harness.load_flag(0.2, limit + 1.2, threads=1, cores=2)              # others joined during the run
+    assert not harness.load_flag(None, None, threads=1, cores=2)
+
+
+def test_bench_harness_traces_the_library_code_a_call_runs(harness):
+    from curvlab import config
+
+    files = harness.trace_code(lambda: config.pick(1, 2, profile_name="quick"))
+    assert "lib/curvlab/config.py" in files and all(f.startswith(("lib/", "benchmarks/")) for f in files)
+    hashes = harness.code_hashes(sorted(files))
+    assert set(hashes) == files
 
 
 def test_bench_harness_setup_runs_once_per_size(harness, tmp_path):
@@ -60,9 +107,9 @@ def test_bench_harness_setup_runs_once_per_size(harness, tmp_path):
         return torch.arange(float(n))
 
     variants = {"sum": lambda x: x.sum(), "cumsum": lambda x: x.cumsum(0)}
-    frame = harness.compare("toy_setup", variants, SIZES, setup=setup, repeats=2, warmup=0, baseline="cumsum",
-                            device="cpu", memory=False, write=False, results_dir=tmp_path)
-    assert calls == [8, 16] and not (tmp_path / "toy_setup.md").exists()
+    frame = harness.compare("toy_setup", variants, SIZES, setup=setup, repeats=5, warmup=0, baseline="cumsum",
+                            device="cpu", memory=False, write=False, results_dir=tmp_path, threads=(1, 1))
+    assert calls == [8, 16]  # once per size, shared by the thread settings and not (tmp_path / "toy_setup.md").exists()
     assert harness.ratio_table(frame).query("variant == 'cumsum'")["ratio"].eq(1.0).all()
     assert frame["mem_method"].eq("not measured").all()
 
@@ -80,7 +127,8 @@ def test_bench_harness_min_time_repeats_short_calls_back_to_back(harness, tmp_pa
         time.sleep(0.03)
 
     frame = harness.compare("toy_min_time", {"slow": slow, "fast": fast}, [{"n": 1}], repeats=2, warmup=1,
-                            device="cpu", memory=False, write=False, results_dir=tmp_path, min_time=0.02)
+                            device="cpu", memory=False, write=False, results_dir=tmp_path, min_time=0.02,
+                            threads=(1,), allow_few_repeats=True, trace=False)
     per = frame.groupby("variant").calls_per_timing.first()
     assert per["slow"] == 1 and per["fast"] > 100                       # a ~us call is repeated, a 30 ms one is not
     assert counts["slow"] == 1 + 2 and counts["fast"] == 1 + 2 * per["fast"]
@@ -127,7 +175,8 @@ def test_fit_exponent_recovers_a_known_power_and_the_rule_excludes_overhead(harn
 def test_scaling_writes_its_reports(harness, tmp_path):
     fits = harness.scaling("toy_scaling", {"fill": lambda n: torch.ones(n, 64).sum()},
                            [{"n": n} for n in (1000, 2000, 4000)], x="n", probe={"n": 1}, expected={"fill": 1.0},
-                           repeats=2, warmup=0, device="cpu", results_dir=tmp_path, model="toy.")
+                           repeats=2, warmup=0, device="cpu", results_dir=tmp_path, model="toy.",
+                           allow_few_repeats=True)
     assert list(fits["variant"]) == ["fill"]
     md = (tmp_path / "toy_scaling.md").read_text()
     assert "fitted exponent" in md and "Machine:" in md and "probe size `n=1`" in md
