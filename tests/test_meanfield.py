@@ -641,3 +641,38 @@ def test_svd_step_difference_records_the_run_and_agrees_on_positive_definite_ker
         mf.svd_step_difference(p, X, Y, "silu", eta=0.5, steps=0)
     with pytest.raises(ValueError, match="params0"):
         mf.svd_step_difference(p.map(lambda t: t[0]), X[0], Y[0], "silu", eta=0.5)
+
+
+def test_ball_lambda_min_probes_the_ball():
+    p, X, _ = problem(n=5, d=3, m=4, S=2, seed=3)
+    lam0 = torch.linalg.eigvalsh(mf.ntk(p, X, "silu"))[:, 0]
+    # radius 0: every point is theta_0
+    torch.testing.assert_close(mf.ball_lambda_min(p, X, "silu", radius=0.0, points=3), lam0)
+    # the probe is a minimum over points of the ball: one fixed point of the ball is never below it, and the
+    # points really lie in the ball (a tiny radius stays close to lambda_min(K_0))
+    small = mf.ball_lambda_min(p, X, "silu", radius=[1e-8, 1e-8], points=5)
+    torch.testing.assert_close(small, lam0, rtol=1e-5, atol=1e-12)
+    # against the dense torch.func kernel at the same draws (uniform in the ball: direction x radius U^(1/p))
+    got = mf.ball_lambda_min(p, X, "silu", radius=2.0, points=6, seed=1)
+    theta0 = mf.flatten(p)
+    P = theta0.shape[-1]
+    g = mf._generator(1)
+    u = torch.randn(2, 6, P, generator=g, dtype=F64)
+    u = u / u.norm(dim=-1, keepdim=True) * torch.rand(2, 6, 1, generator=g, dtype=F64) ** (1.0 / P)
+    for s_ in range(2):
+        fn = mf.model_fn(X[s_], p.m, "silu")
+        lams = []
+        for k in range(6):
+            th = theta0[s_] + 2.0 * u[s_, k]
+            assert float((th - theta0[s_]).norm()) <= 2.0 + 1e-12
+            J = cv.jacobian(fn, th)
+            lams.append(float(torch.linalg.eigvalsh(J @ J.T)[0]))
+        assert float(got[s_]) == pytest.approx(min(lams), rel=1e-8, abs=1e-14)
+    with pytest.raises(ValueError, match="radius"):
+        mf.ball_lambda_min(p, X, "silu", radius=-1.0)
+    with pytest.raises(ValueError, match="radius"):
+        mf.ball_lambda_min(p, X, "silu", radius=[1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="points"):
+        mf.ball_lambda_min(p, X, "silu", radius=1.0, points=0)
+    with pytest.raises(ValueError, match="params0"):
+        mf.ball_lambda_min(p.map(lambda t: t[0]), X[0], "silu", radius=1.0)

@@ -50,7 +50,8 @@ layer on frozen features, the code's cut-off :math:`10^{-10}` on the Gram eigenv
 **Theory helpers** (chapter 20): :func:`mode_contraction`, :func:`steps_bracket` (steps to a loss tolerance from the
 spectrum, and the precondition under which it is asserted), :func:`gd_divergence_lr`; for Proposition 1 (global
 convergence of the damped GN flow) :func:`flow_rate`, :func:`flow_radius`, the flow itself (:func:`gn_flow`, RK4),
-:func:`slowest_mode_targets` (its worst case) and :func:`fit_rate`; the authors' SVD solve
+:func:`slowest_mode_targets` (its worst case), :func:`fit_rate` and :func:`ball_lambda_min` (a probe of its hypothesis on
+the ball); the authors' SVD solve
 (:func:`svd_gn_direction`, whose sign flip chapter 20 measures with :func:`svd_step_difference`).
 
 **Data** (chapters 21, 22): :func:`teacher_student` (the authors' defaults: :math:`d=10`, teacher width 5,
@@ -118,6 +119,7 @@ __all__ = [
     "gd_divergence_lr",
     "flow_rate",
     "flow_radius",
+    "ball_lambda_min",
     "slowest_mode_targets",
     "gn_flow",
     "Flow",
@@ -950,6 +952,41 @@ def slowest_mode_targets(params: MFParams, X, act: str, *, amplitude: float) -> 
         raise ValueError("K(theta_0) must be positive definite (lambda_min > 0) to define the slowest mode")
     r0 = a * torch.sqrt(lam[..., :1]) * U[..., :, 0]
     return (_out(params, F.Phi) - r0.to(F.Phi.dtype)).detach()
+
+
+def ball_lambda_min(params0: MFParams, X, act: str, *, radius, points: int = 64, seed: int = 0) -> torch.Tensor:
+    r"""Monte Carlo probe of Proposition 1's hypothesis on the ball (chapter 20): the smallest
+    :math:`\lmin(K_\theta)` over ``points`` points :math:`\theta` drawn uniformly in the ball
+    :math:`\lVert\theta-\theta_0\rVert\le` ``radius`` (all parameters), one value per batch entry.
+
+    A sample minimum is an *upper* estimate of :math:`\inf_B\lmin(K_\theta)`: a value below a trajectory's
+    :math:`\min_t\lmin(K_t)` shows that the hypothesis fails on the ball with that :math:`\lambda_\star`; a value
+    above it proves nothing. ``radius``: a number or one value per batch entry (leading dimension of ``params0``).
+    """
+    params0 = _check_params(params0, "params0")
+    if len(params0.batch_shape) != 1:
+        raise ValueError(f"params0 must carry one leading batch dimension (B, ...), got {tuple(params0.batch_shape)}")
+    B = params0.batch_shape[0]
+    act = _check_act(act)
+    X = _check_X(X, params0)
+    points = check_int("points", points, min_value=1)
+    rad = _f64("radius", radius)
+    if bool((rad < 0).any()):
+        raise ValueError("radius must be >= 0")
+    try:
+        rad = rad.expand(B).contiguous()
+    except RuntimeError as exc:
+        raise ValueError(f"radius must be a number or have one value per batch entry ({B})") from exc
+    theta0 = flatten(params0)
+    p = theta0.shape[-1]
+    g = _generator(int(seed))
+    u = torch.randn(B, points, p, generator=g, dtype=torch.float64)
+    u = u / u.norm(dim=-1, keepdim=True) * torch.rand(B, points, 1, generator=g, dtype=torch.float64) ** (1.0 / p)
+    theta = theta0.unsqueeze(1) + (rad.view(B, 1, 1) * u).to(theta0.dtype).to(theta0.device)
+    pts = unflatten(theta.reshape(B * points, p), params0.m, params0.d, params0.d_y if params0.vector_output else None)
+    Xr = X.repeat_interleave(points, 0)
+    lam = torch.linalg.eigvalsh(ntk(pts, Xr, act))[..., 0]
+    return lam.view(B, points).min(dim=1).values
 
 
 class Flow(NamedTuple):
