@@ -494,3 +494,37 @@ def test_finite_sample_bad_input():
         L.kfac_ratio_spread(Sig, Gs, torch.ones(2) / 2**0.5, torch.zeros(7), 0.1, 0.5, 3)
     with pytest.raises(ValueError, match="k < d"):
         L.canonical_direction(torch.eye(2), torch.eye(2))
+
+
+def test_finite_sample_functions_refuse_silent_inputs():
+    """Issue 26: kfac_coupling, kfac_noise_bound and kfac_ratio_spread used to accept these without a word (a NaN or
+    a wrong number came back): each error names the argument."""
+    one = L.linrep_problem(1, d=8, k=2, d_y=3, kappa_x=50.0, kappa_F=2.0, seed=11)
+    Gs, Sig, Fs = one.Gstar[0], one.Sigma[0], one.Fstar[0]
+    p, q, _ = L.canonical_direction(Sig, Gs)
+    Z0 = torch.zeros_like(Gs)
+    with pytest.raises(ValueError, match="Gstar must have orthonormal rows"):
+        L.kfac_coupling(Sig, 2 * Gs, Z0)                            # 1: a scaled G_star
+    asym = Sig.clone()
+    asym[0, 1] += 1.0
+    with pytest.raises(ValueError, match="Sxx must be symmetric"):
+        L.kfac_coupling(asym, Gs, Z0)                               # 2: a non-symmetric moment matrix
+    indefinite = Sig - 2 * torch.linalg.eigvalsh(Sig)[0] * torch.eye(8, dtype=Sig.dtype)
+    with pytest.raises(ValueError, match="Sigma must be positive"):
+        L.kfac_noise_bound(Fs, indefinite, 1000, 0.1, 0.05)          # 3: was NaN (sqrt of a negative eigenvalue)
+    with pytest.raises(ValueError, match="Fstar must have full column rank"):
+        L.kfac_noise_bound(torch.zeros_like(Fs), Sig, 1000, 0.1, 0.05)   # 4: was inf
+    with pytest.raises(ValueError, match="u must be a unit vector"):
+        L.kfac_ratio_spread(Sig, Gs, 3 * p, q, 0.1, 0.5, 60)         # 5: the formula assumes unit vectors
+    with pytest.raises(ValueError, match="v must be a unit vector"):
+        L.kfac_ratio_spread(Sig, Gs, p, 0.5 * q, 0.1, 0.5, 60)
+    with pytest.raises(ValueError, match="s contains"):
+        L.kfac_ratio_spread(Sig, Gs, p, q, float("nan"), 0.5, 60)   # 6: a NaN step came back as NaN
+    with pytest.raises(ValueError, match="Sigma must be symmetric"):
+        L.kfac_ratio_spread(asym, Gs, p, q, 0.1, 0.5, 60)
+    with pytest.raises(ValueError, match="Gstar must have orthonormal rows"):
+        L.kfac_ratio_spread(Sig, 2 * Gs, p, q, 0.1, 0.5, 60)
+    # valid inputs still go through, float32 batches included
+    Sxx, _ = one.sample_moments(60, _gen(9))
+    assert torch.isfinite(L.kfac_coupling(Sxx.float(), Gs, Z0)).all()
+    assert float(L.kfac_noise_bound(Fs, Sig, 1000, 0.1, 0.05)) > 0

@@ -1196,17 +1196,35 @@ def _check_rows_perp(name: str, Z: torch.Tensor, Gstar: torch.Tensor) -> None:
                          f"max |{name} Gstar^T| = {float(leak):.3g}")
 
 
+def _check_orthonormal_rows(name: str, G: torch.Tensor) -> None:
+    k = G.shape[-2]
+    gram = G @ G.transpose(-2, -1)
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    err = float((gram - eye).abs().amax()) if gram.numel() else 0.0
+    if err > 1e-8 * max(k, 1):
+        raise ValueError(f"{name} must have orthonormal rows ({name} {name}^T = I_k), as the book's G_star does; "
+                         f"max |{name} {name}^T - I| = {err:.3g}")
+
+
+def _check_unit(name: str, x: torch.Tensor) -> None:
+    dev = float((x.norm(dim=-1) - 1).abs().amax()) if x.numel() else 0.0
+    if dev > 1e-8:
+        raise ValueError(f"{name} must be a unit vector (|{name}| = 1), got norms off by up to {dev:.3g}")
+
+
 def _tangent_inputs(Z, Gstar, Sxx=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     Gstar = check_finite("Gstar", as_tensor("Gstar", Gstar, dtype=torch.float64))
     Z = check_finite("Z", as_tensor("Z", Z, dtype=torch.float64))
     if Gstar.dim() < 2 or Z.shape[-2:] != Gstar.shape[-2:]:
         raise ValueError(f"Z must have Gstar's shape {tuple(Gstar.shape[-2:])} (k x d), got {tuple(Z.shape)}")
+    _check_orthonormal_rows("Gstar", Gstar)
     _check_rows_perp("Z", Z, Gstar)
     if Sxx is not None:
         Sxx = check_finite("Sxx", as_tensor("Sxx", Sxx, dtype=torch.float64))
         d = Gstar.shape[-1]
         if Sxx.dim() < 2 or Sxx.shape[-2:] != (d, d):
             raise ValueError(f"Sxx must be {d} x {d} (d = Gstar's columns), got {tuple(Sxx.shape)}")
+        Sxx = check_psd("Sxx", Sxx, rtol=1e-5)             # a second-moment matrix: symmetric, PSD (float32 batches)
     return Z, Gstar, Sxx
 
 
@@ -1320,6 +1338,7 @@ def kfac_noise_bound(Fstar, Sigma, n: int, noise: float, delta: float) -> torch.
     if Fstar.dim() < 2 or Sigma.dim() < 2 or Sigma.shape[-1] != Sigma.shape[-2]:
         raise ValueError(f"Fstar must be (..., d_y, k) and Sigma (..., d, d), got {tuple(Fstar.shape)}, "
                          f"{tuple(Sigma.shape)}")
+    Sigma = check_psd("Sigma", Sigma, strict=True, rtol=1e-6)  # a covariance: symmetric, positive definite
     k, d = Fstar.shape[-1], Sigma.shape[-1]
     if k > d:
         raise ValueError(f"Fstar's k = {k} columns must not exceed Sigma's d = {d}")
@@ -1332,7 +1351,11 @@ def kfac_noise_bound(Fstar, Sigma, n: int, noise: float, delta: float) -> torch.
     if math.sqrt(n) <= math.sqrt(d) + t:
         raise ValueError(f"n must satisfy sqrt(n) > sqrt(d) + sqrt(2 log(2/delta)) = {math.sqrt(d) + t:.3g} "
                          f"(d = {d}, delta = {delta}), got n = {n}: the bound is vacuous")
+    if Fstar.shape[-2] < k:
+        raise ValueError(f"Fstar must have d_y >= k rows (full column rank), got shape {tuple(Fstar.shape)}")
     s_min = torch.linalg.svdvals(Fstar)[..., -1]
+    if bool((s_min <= 1e-12 * torch.linalg.svdvals(Fstar)[..., 0]).any()):
+        raise ValueError("Fstar must have full column rank (sigma_min(Fstar) > 0): the bound divides by it")
     l_min = torch.linalg.eigvalsh(Sigma)[..., 0]
     return noise * (math.sqrt(d - k) + math.sqrt(k) + t) / (s_min * l_min.sqrt() * (math.sqrt(n) - math.sqrt(d) - t))
 
@@ -1411,10 +1434,12 @@ def kfac_ratio_spread(Sigma, Gstar, u, v, s, eta, n: int) -> torch.Tensor:
     :math:`(v^\top Sv)\,u^\top(X_\parallel^\top X_\parallel)^{-1}u`, whose mean is the above (inverse Wishart).
     ``u (..., k)`` and ``v (..., d)`` unit vectors, ``v`` in :math:`\operatorname{rowsp}(G_\star)^\perp`.; ``n`` an integer or
     a tensor of them (broadcast)."""
-    Sigma = check_finite("Sigma", as_tensor("Sigma", Sigma, dtype=torch.float64))
-    Gstar = check_finite("Gstar", as_tensor("Gstar", Gstar, dtype=torch.float64))
+    Sigma = check_psd("Sigma", Sigma, strict=True, rtol=1e-6, dtype=torch.float64)  # a covariance: symmetric, positive definite
+    Gstar = check_matrix("Gstar", Gstar, batch=True, dtype=torch.float64)
     u = check_finite("u", as_tensor("u", u, dtype=torch.float64))
     v = check_finite("v", as_tensor("v", v, dtype=torch.float64))
+    if u.dim() < 1 or v.dim() < 1:
+        raise ValueError(f"u and v must be vectors (..., k) and (..., d), got shapes {tuple(u.shape)}, {tuple(v.shape)}")
     k, d = Gstar.shape[-2:]
     if Sigma.shape[-2:] != (d, d) or u.shape[-1] != k or v.shape[-1] != d:
         raise ValueError(f"Sigma must be ({d}, {d}), u (..., {k}) and v (..., {d}); got {tuple(Sigma.shape)}, "
@@ -1425,7 +1450,10 @@ def kfac_ratio_spread(Sigma, Gstar, u, v, s, eta, n: int) -> torch.Tensor:
     eta = check_positive("eta", eta)
     if eta > 1:
         raise ValueError(f"eta must be in (0, 1], got {eta}")
-    s = as_tensor("s", s, dtype=torch.float64)
+    s = check_finite("s", as_tensor("s", s, dtype=torch.float64))
+    _check_orthonormal_rows("Gstar", Gstar)
+    _check_unit("u", u)
+    _check_unit("v", v)
     Pi = _eye(d, Gstar) - Gstar.transpose(-2, -1) @ Gstar
     _check_rows_perp("v", v[..., None, :], Gstar)
     S = torch.linalg.pinv(Pi @ torch.linalg.inv(Sigma) @ Pi, hermitian=True)
@@ -1455,11 +1483,7 @@ def canonical_direction(Sigma, Gstar) -> tuple[torch.Tensor, torch.Tensor, torch
         raise ValueError(f"Sigma must be ({d}, {d}) for Gstar of shape {tuple(Gstar.shape)}, got {tuple(Sigma.shape)}")
     if k >= d:
         raise ValueError(f"Gstar must have k < d rows (rowsp(Gstar)^perp is empty otherwise), got shape {tuple(Gstar.shape)}")
-    gram = Gstar @ Gstar.transpose(-2, -1)
-    eye = torch.eye(k, dtype=gram.dtype)
-    if not torch.allclose(gram, eye.expand_as(gram), atol=1e-8 * max(k, 1)):
-        raise ValueError("Gstar must have orthonormal rows (Gstar Gstar^T = I_k), as the book's G_star does; "
-                         f"max |Gstar Gstar^T - I| = {float((gram - eye).abs().max()):.3g}")
+    _check_orthonormal_rows("Gstar", Gstar)
     _, U = schur_complement(Gstar, Sigma)                            # (..., d - k, d), orthonormal rows
     def inv_sqrt(A):
         e, V = torch.linalg.eigh(A)
