@@ -85,3 +85,37 @@ def test_cpu_threads_sets_and_restores():
     with pytest.raises(ValueError, match="n must be"):
         with config.cpu_threads(0):
             pass
+
+
+def test_thread_policy_defaults_env_and_bad_values():
+    """The thread policy (performance page, 'Threads'): one thread on <= 2 cores, min(4, cores // 2) above,
+    CURVLAB_THREADS wins, OMP_NUM_THREADS set means the user (or the book build) chose; no timing here."""
+    from curvlab import config
+
+    assert config.thread_policy(cores=2, environ={})[0] == 1
+    assert config.thread_policy(cores=1, environ={})[0] == 1
+    assert config.thread_policy(cores=8, environ={})[0] == 4
+    assert config.thread_policy(cores=6, environ={})[0] == 3
+    assert config.thread_policy(cores=64, environ={})[0] == 4
+    n, why = config.thread_policy(cores=2, environ={"OMP_NUM_THREADS": "2"})
+    assert n is None and "OMP_NUM_THREADS=2" in why
+    assert config.thread_policy(cores=2, environ={"OMP_NUM_THREADS": "2", "CURVLAB_THREADS": "3"})[0] == 3
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ValueError, match="CURVLAB_THREADS"):
+            config.thread_policy(cores=2, environ={"CURVLAB_THREADS": bad})
+
+
+def test_setup_applies_the_thread_policy_and_says_how_to_change_it(monkeypatch, capsys):
+    import curvlab
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("CURVLAB_THREADS", "1")
+    monkeypatch.setenv("CURVLAB_DEVICE", "cpu")
+    try:
+        info = curvlab.setup("00_threads_test")
+        out = capsys.readouterr().out
+        assert torch.get_num_threads() == 1 and info.threads == 1
+        assert "threads=1" in out and "CURVLAB_THREADS=n" in out and "OMP_NUM_THREADS=n" in out
+    finally:
+        torch.set_num_threads(before)

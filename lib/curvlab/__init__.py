@@ -48,8 +48,10 @@ def __getattr__(name: str) -> Any:
 def setup(chapter: str, *, seed: int = 0, deterministic: bool = True, context: str = "notebook", quiet: bool = False):
     """Prepare a chapter: profile, device, dtype, seed, determinism, plotting theme, check registry.
 
-    Prints one line — profile, device, dtype, seed, versions, git revision — and, in a notebook, shows the
-    profile badge. Returns the :class:`curvlab.config.RunInfo`.
+    Prints one line — profile, device, dtype, seed, versions, git revision, CPU threads — and, in a notebook,
+    shows the profile badge. On the CPU it sets torch's thread count by :func:`curvlab.config.thread_policy` (one
+    thread on a machine with two cores or fewer, unless ``CURVLAB_THREADS`` or ``OMP_NUM_THREADS`` says otherwise)
+    and prints how to change it. Returns the :class:`curvlab.config.RunInfo`.
     """
     import torch
 
@@ -64,6 +66,7 @@ def setup(chapter: str, *, seed: int = 0, deterministic: bool = True, context: s
     plotting.set_theme(context)
     plotting.reset_figure_counter()
     checks.set_chapter(chapter)
+    threads, threads_reason = config.apply_thread_policy() if dev.type == "cpu" else (None, "")
     info = config.RunInfo(
         chapter=chapter,
         profile=prof,
@@ -73,9 +76,13 @@ def setup(chapter: str, *, seed: int = 0, deterministic: bool = True, context: s
         torch_version=torch.__version__,
         curvlab_version=__version__,
         revision=config.git_revision(),
+        threads=threads,
+        threads_reason=threads_reason,
     )
     if not quiet:
         print(info.line())
+        if info.threads_line():
+            print(info.threads_line())
         _show_badge(info)
     return info
 

@@ -42,6 +42,8 @@ __all__ = [
     "set_deterministic",
     "in_book_build",
     "cpu_threads",
+    "thread_policy",
+    "apply_thread_policy",
     "git_revision",
     "RunInfo",
 ]
@@ -50,6 +52,7 @@ PROFILES = ("quick", "standard", "paper")
 PROFILE_ENV = "CURVLAB_PROFILE"
 DEVICE_ENV = "CURVLAB_DEVICE"
 BUILD_ENV = "CURVLAB_BOOK_BUILD"
+THREADS_ENV = "CURVLAB_THREADS"
 
 
 def profile() -> str:
@@ -175,6 +178,45 @@ def git_revision(path: str | Path | None = None) -> str:
         return "unknown"
 
 
+def _cores_available() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def thread_policy(cores: int | None = None, environ: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """The number of torch CPU threads a chapter should use, and why: ``(n, reason)``; ``n`` is ``None`` when the
+    user has chosen (``OMP_NUM_THREADS`` set and no ``CURVLAB_THREADS``): torch has already taken that setting.
+
+    ``CURVLAB_THREADS=n`` wins. Otherwise, with ``OMP_NUM_THREADS`` unset, the default is one thread on a machine
+    with at most two cores available and ``min(4, cores // 2)`` above that. The book's tensors are small (a few
+    hundred to a few thousand rows): on two cores, torch's default of one thread per core lost to one thread by a
+    large factor whenever anything else ran (the performance page's thread-policy table); above two cores the rule
+    is reasoned, not measured: leave half the cores to the other kernel of a two-job book build and to the system.
+    """
+    env = os.environ if environ is None else environ
+    cores = _cores_available() if cores is None else int(cores)
+    raw = env.get(THREADS_ENV, "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"{THREADS_ENV} must be a positive integer, got {raw!r}") from None
+        if n < 1:
+            raise ValueError(f"{THREADS_ENV} must be a positive integer, got {raw!r}")
+        return n, f"{THREADS_ENV}={n}"
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return None, f"OMP_NUM_THREADS={env['OMP_NUM_THREADS'].strip()} (set by you or the book build)"
+    n = 1 if cores <= 2 else min(4, cores // 2)
+    return n, f"curvlab's default for {cores} core{'s' if cores != 1 else ''}"
+
+
+def apply_thread_policy(cores: int | None = None) -> tuple[int, str]:
+    """Set torch's intra-op threads by :func:`thread_policy`; return ``(threads now, reason)``."""
+    n, why = thread_policy(cores)
+    if n is not None and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads(), why
+
+
 @dataclass(frozen=True)
 class RunInfo:
     """What :func:`curvlab.setup` decided, printed as one line at the top of every chapter."""
@@ -187,14 +229,24 @@ class RunInfo:
     torch_version: str
     curvlab_version: str
     revision: str
+    threads: int | None = None
+    threads_reason: str = ""
 
     def line(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
+        threads = "" if self.threads is None else f" | threads={self.threads}"
         return (
             f"curvlab {self.curvlab_version} | profile={self.profile} | device={self.device} | dtype={dt} "
             f"(spectral: float64 on {spectral_device(self.device)}) | seed={self.seed} | torch {self.torch_version} "
-            f"| rev {self.revision}"
+            f"| rev {self.revision}{threads}"
         )
+
+    def threads_line(self) -> str:
+        """How many CPU threads torch uses, why, and how to change it (printed by :func:`curvlab.setup`)."""
+        if self.threads is None:
+            return ""
+        return (f"CPU threads: {self.threads} ({self.threads_reason}); to change it, set CURVLAB_THREADS=n "
+                "(or OMP_NUM_THREADS=n) before starting Python, or call torch.set_num_threads(n)")
 
 
 @contextlib.contextmanager
