@@ -375,8 +375,10 @@ EVIDENCE_KINDS = ("evidence", "consistency")
 #: * ``"different algorithm"`` — the two sides compute the same quantity by different algorithms (a dense
 #:   ``torch.func`` Jacobian vs a structured or matrix-free route; an eigensolver vs a power iteration);
 #: * ``"symbolic vs numeric"`` — SymPy (or another exact computation) on one side, floating-point numerics on the other;
-#: * ``"sampling vs closed form"`` — Monte Carlo / a simulation on one side, a closed form derived in the text on the
-#:   other;
+#: * ``"sampling vs closed form"`` — Monte Carlo over random draws on one side, a closed form derived in the text on
+#:   the other;
+#: * ``"numerics vs closed form"`` — a deterministic computation (a run of an iteration, a dense eigendecomposition) on
+#:   one side, a closed form the text derives for its outcome (a rate, a spectrum, a fixed point) on the other;
 #: * ``"computer algebra vs hand derivation"`` — SymPy builds one side from the definitions, the other is the closed
 #:   form derived by hand in the text (the default of :func:`identity`);
 #: * ``"independent implementation"`` — another implementation of the same method (another library, the authors'
@@ -386,17 +388,19 @@ INDEPENDENCE_BASES = (
     "different algorithm",
     "symbolic vs numeric",
     "sampling vs closed form",
+    "numerics vs closed form",
     "computer algebra vs hand derivation",
     "independent implementation",
     "different source",
 )
 #: Why two routes are NOT independent — the admissible ``basis`` of a consistency check (optional there):
-#: one code path, the same data re-fitted, an inequality applied to the objects that define it, a library function
-#: vs a closed form of the same iteration, a bound compared with what defines it, or true by construction.
+#: one code path, the same data re-fitted, an identity or inequality that holds for every input applied to the objects
+#: that define both sides, a library function vs a closed form of the same iteration, a bound compared with what
+#: defines it, or true by construction.
 CONSISTENCY_BASES = (
     "same code path",
     "same data re-fitted",
-    "inequality on its defining objects",
+    "algebra on its defining objects",
     "same iteration in two forms",
     "bound vs what defines it",
     "by construction",
