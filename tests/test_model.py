@@ -47,7 +47,8 @@ def _case(kind: str, loss: str, seed: int = 0):
     make, shape = MODELS[kind]
     net = make().double()
     X = torch.randn(N, *shape, dtype=torch.float64)
-    T = torch.randn(N, 3, dtype=torch.float64) if loss == "mse" else torch.randint(0, 3, (N,))
+    T = {"mse": lambda: torch.randn(N, 3, dtype=torch.float64), "cross_entropy": lambda: torch.randint(0, 3, (N,)),
+         "bce": lambda: torch.rand(N, 3, dtype=torch.float64)}[loss]()
     return net, X, T
 
 
@@ -58,10 +59,14 @@ def _dense_reference(prob, X, T):
     out, J = f(th), jacrev(f)(th)  # (n, c), (n, c, p)
     if prob.loss == "mse":
         Lam, g = torch.eye(3, dtype=out.dtype).expand(N, 3, 3), out - T
+    elif prob.loss == "bce":  # BCEWithLogitsLoss(mean) averages over the n c entries
+        s = out.sigmoid()
+        Lam, g = torch.diag_embed(s * (1 - s)), s - T
     else:
         pi = out.softmax(-1)
         Lam, g = torch.diag_embed(pi) - pi[:, :, None] * pi[:, None, :], pi - nn.functional.one_hot(T, 3).double()
-    return torch.einsum("icp,icd,idq->pq", J, Lam, J) / N, torch.einsum("icp,ic->p", J, g) / N
+    norm = N * 3 if prob.loss == "bce" else N
+    return torch.einsum("icp,icd,idq->pq", J, Lam, J) / norm, torch.einsum("icp,ic->p", J, g) / norm
 
 
 @pytest.mark.parametrize("loss", cm.LOSSES)
@@ -76,7 +81,7 @@ def test_against_dense_torch_func_reference(kind, loss):
     assert torch.allclose(cm.ggn_vector_product(prob, V), V @ G, atol=1e-12 * scale, rtol=0)
     assert torch.allclose(cm.ggn_vector_product(prob, V[0]), G @ V[0], atol=1e-12 * scale, rtol=0)
     lam = torch.linalg.eigvalsh(G).flip(0)
-    mu = torch.linalg.eigvalsh(cm.kernel_matrix(prob)).flip(0) / N  # K/n has H_GN's nonzero eigenvalues
+    mu = torch.linalg.eigvalsh(cm.kernel_matrix(prob)).flip(0) / prob.norm  # K/norm has H_GN's nonzero eigenvalues
     r = min(prob.p, N * 3)
     assert torch.allclose(mu[:r], lam[:r], atol=1e-12 * scale, rtol=0)
     lam_GN = 1e-2 * float(lam[0])
@@ -105,7 +110,8 @@ def test_lanczos_matches_dense_on_the_kernel_and_on_parameters(loss):
     for width, n, k in ((40, 6, 4), (3, 40, 6)):
         net = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 2)).double()
         X = torch.randn(n, 3, dtype=torch.float64)
-        T = torch.randn(n, 2, dtype=torch.float64) if loss == "mse" else torch.randint(0, 2, (n,))
+        T = {"mse": torch.randn(n, 2, dtype=torch.float64), "cross_entropy": torch.randint(0, 2, (n,)),
+             "bce": torch.rand(n, 2, dtype=torch.float64)}[loss]
         prob = cm.problem(net, X, T, loss)
         dense, lanc = cm.condition(prob, method="dense"), cm.condition(prob, method="lanczos", k=k, tol=1e-12)
         assert lanc.size == dense.size and lanc.rank == dense.rank
@@ -180,14 +186,16 @@ def test_train_mode_batchnorm_uses_chunk_statistics_and_leaves_running_stats_alo
     net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)).double().train()
     X, T = torch.randn(N, 4, dtype=torch.float64), torch.randn(N, 3, dtype=torch.float64)
     before = [b.clone() for b in net.buffers()]
-    prob = cm.problem(net, X, T, "mse")
+    with pytest.warns(UserWarning, match=r"batch norm in training mode: '1' \(BatchNorm1d\)"):
+        prob = cm.problem(net, X, T, "mse")
     G = cm.ggn_matrix(prob)
     cm.ggn_vector_product(prob, torch.ones(prob.p, dtype=torch.float64))
     assert all(torch.equal(a, b) for a, b in zip(before, net.buffers()))
     ref = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, track_running_stats=False), nn.Tanh(),
                         nn.Linear(6, 3)).double()
     ref.load_state_dict({k: v for k, v in net.state_dict().items() if "running" not in k and "num_batches" not in k})
-    p_ref = cm.problem(ref, X, T, "mse")
+    with pytest.warns(UserWarning, match="batch norm in training mode"):
+        p_ref = cm.problem(ref, X, T, "mse")
     th = p_ref.theta()
     J = jacrev(lambda t: functional_call(ref, p_ref.unflatten(t), (X,)).reshape(-1))(th)  # samples coupled
     assert torch.allclose(G, J.T @ J / N, atol=1e-12, rtol=0)
@@ -196,6 +204,7 @@ def test_train_mode_batchnorm_uses_chunk_statistics_and_leaves_running_stats_alo
 
 @pytest.mark.parametrize("loss", cm.LOSSES)
 @pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.filterwarnings("ignore:K-FAC covers nn.Linear:UserWarning")  # bn_eval: batch norm's affine parameters
 def test_kfac_factors_exact_on_last_layer_and_blocks_against_dense(kind, loss):
     net, X, T = _case(kind, loss)
     prob = cm.problem(net, X, T, loss, chunk_size=5)
@@ -220,12 +229,15 @@ def test_kfac_factors_exact_on_last_layer_and_blocks_against_dense(kind, loss):
 # ----------------------------------------------------------------------------------------------- curvlinops
 @pytest.mark.parametrize("loss", cm.LOSSES)
 @pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.filterwarnings("ignore:K-FAC covers nn.Linear:UserWarning")  # bn_eval: batch norm's affine parameters
 def test_against_curvlinops_ggn_and_kfac(kind, loss):
     curvlinops = pytest.importorskip("curvlinops", reason="curvlinops-for-pytorch (the `test` extra) is not installed")
     net, X, T = _case(kind, loss)
+    T = (T > 0.5).double() if loss == "bce" else T  # curvlinops' BCEWithLogitsLoss takes binary targets only
     prob = cm.problem(net, X, T, loss)
-    # curvlinops uses the module's loss: MSELoss(sum) = 2 * (our per-sample loss), not averaged: scale 1/(2n)
-    lf, scale = (nn.MSELoss(reduction="sum"), 1 / (2 * N)) if loss == "mse" else (nn.CrossEntropyLoss(), 1.0)
+    # curvlinops uses the module's loss: MSELoss(sum) = 2 * (our per-sample loss), not averaged: scale 1/(2n);
+    # CrossEntropyLoss and BCEWithLogitsLoss (mean) are ours
+    lf, scale = cm.torch_loss(prob)
     params = [p for p in net.parameters() if p.requires_grad]
     eye = torch.eye(prob.p, dtype=torch.float64)
     G_cl = scale * (curvlinops.GGNLinearOperator(net, lf, params, [(X, T)]) @ eye)
@@ -243,7 +255,7 @@ def test_against_curvlinops_ggn_and_kfac(kind, loss):
 
 
 # ----------------------------------------------------------------------------------------------- BackPACK
-@pytest.mark.parametrize("loss", cm.LOSSES)
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")  # BackPACK's own hooks, inputs w/o grad
 def test_against_backpack_diag_ggn_and_kflr(kind, loss):
@@ -364,7 +376,7 @@ def test_bad_input_is_named():
     ce = cm.problem(net, X, torch.randint(0, 3, (N,)), "cross_entropy")
     with pytest.raises(ValueError, match="cross-entropy's K is always singular"):
         cm.gn_step(ce, 0.0)
-    with pytest.raises(ValueError, match="no trainable nn.Linear"):
+    with pytest.raises(ValueError, match="no trainable nn.Linear"), pytest.warns(UserWarning, match="_MeanField"):
         cm.kfac_factors(cm.problem(_MeanField(meanfield.init_student(3, 4, init_std=1.0, d_y=3), "silu"), X, T))
 
 
@@ -383,7 +395,8 @@ def test_loss_value_and_gradient_against_torch_losses(loss):
     prob = cm.problem(net, X, T, loss, chunk_size=3)
     th = prob.theta().requires_grad_(True)
     out = functional_call(net, prob.unflatten(th), (X,))
-    L = 0.5 * ((out - T) ** 2).sum(1).mean() if loss == "mse" else nn.functional.cross_entropy(out, T)
+    L = {"mse": lambda: 0.5 * ((out - T) ** 2).sum(1).mean(), "cross_entropy": lambda: nn.functional.cross_entropy(
+        out, T), "bce": lambda: nn.functional.binary_cross_entropy_with_logits(out, T)}[loss]()
     (g,) = torch.autograd.grad(L, th)
     assert cm.loss_value(prob) == pytest.approx(float(L.detach()), rel=1e-13)
     assert torch.allclose(cm.loss_gradient(prob), g, atol=1e-14, rtol=1e-12)

@@ -48,7 +48,11 @@ Cross-checked against curvlinops and BackPACK in ``tests/test_model.py``.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
+import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -65,6 +69,8 @@ from .linalg import default_rtol
 
 __all__ = [
     "LOSSES",
+    "REDUCTIONS",
+    "RankCutWarning",
     "Problem",
     "problem",
     "ggn_vector_product",
@@ -72,6 +78,7 @@ __all__ = [
     "ggn_matrix",
     "kernel_matrix",
     "condition",
+    "Condition",
     "KFACFactors",
     "kfac_factors",
     "kfac_block_errors",
@@ -79,9 +86,22 @@ __all__ = [
     "apply_step",
     "loss_value",
     "loss_gradient",
+    "condition_of",
+    "torch_loss",
 ]
 
-LOSSES = ("mse", "cross_entropy")
+LOSSES = ("mse", "cross_entropy", "bce")
+REDUCTIONS = ("mean", "sum")
+#: modules whose forward pass is random in training mode (refused by :func:`problem` unless in eval mode)
+RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+                  nn.RReLU)
+#: a rank cut whose gap lambda_r / lambda_{r+1} is below this is warned about (RankCutWarning)
+GAP_WARN = 10.0
+
+
+class RankCutWarning(UserWarning):
+    r"""The gap :math:`\lambda_r/\lambda_{r+1}` at the rank cut of a condition number is below 10: :math:`\kappa`
+    then depends on where the cut falls (the cut lies inside the spectrum, not at a clean edge)."""
 
 
 # ============================================================================================ the problem
@@ -90,7 +110,9 @@ class Problem:
     r"""A module, its data and its loss, validated once: what every function of this module takes.
 
     ``chunks`` is the list of ``(X_b, Y_b)`` pairs on the parameters' device; ``names``/``shapes``/``sizes`` describe
-    :math:`\theta` (trainable parameters only); ``n`` samples, ``c`` outputs, ``p`` parameters.
+    :math:`\theta` (the chosen parameters only); ``n`` samples, ``c`` outputs per sample (all of them: ``T * classes``
+    for a per-token output ``(n, T, classes)``), ``p`` parameters. ``norm`` is the divisor of the loss (``reduction``):
+    :math:`\mathcal L = \frac1{\texttt{norm}}\sum_i\ell_i`, so :math:`H_{\mathrm{GN}} = \tilde J^\top\tilde J/\texttt{norm}`.
     """
 
     model: nn.Module
@@ -103,6 +125,12 @@ class Problem:
     c: int
     dtype: torch.dtype
     device: torch.device
+    reduction: str = "mean"
+    #: size of the softmax axis (cross-entropy) and the per-sample output shape, e.g. ``(c,)`` or ``(T, classes)``
+    classes: int = 0
+    out_shape: tuple = ()
+    #: the loss's divisor: the number of terms it averages over (``reduction="mean"``) or 1 (``"sum"``)
+    norm: float = 1.0
     #: the last :func:`jacobian`, with the parameters, buffers and modes it was computed at (reused while unchanged)
     _cache: tuple | None = field(default=None, repr=False, compare=False)
 
@@ -122,8 +150,9 @@ class Problem:
         return {k: t.reshape(s) for k, t, s in zip(self.names, theta.split(self.sizes), self.shapes)}
 
     def _fixed(self) -> dict:
-        """Frozen parameters and buffers (cloned: a train-mode batch norm must not update the module's own)."""
-        frozen = {k: v.detach() for k, v in self.model.named_parameters() if not v.requires_grad}
+        """Parameters outside theta and buffers (cloned: a train-mode batch norm must not update the module's own)."""
+        chosen = set(self.names)
+        frozen = {k: v.detach() for k, v in self.model.named_parameters() if k not in chosen}
         buffers = {k: v.detach().clone() for k, v in self.model.named_buffers()}
         return {**frozen, **buffers}
 
@@ -133,7 +162,7 @@ class Problem:
 
         def fn(theta: torch.Tensor) -> torch.Tensor:
             with _no_running_stats(self.model):
-                return functional_call(self.model, {**self.unflatten(theta), **fixed}, (X,))
+                return functional_call(self.model, {**self.unflatten(theta), **fixed}, (X,)).flatten(1)
 
         return fn
 
@@ -149,7 +178,7 @@ class Problem:
 
         def fn(*params: torch.Tensor) -> torch.Tensor:
             with _no_running_stats(self.model):
-                return functional_call(self.model, {**dict(zip(self.names, params)), **fixed}, (X,))
+                return functional_call(self.model, {**dict(zip(self.names, params)), **fixed}, (X,)).flatten(1)
 
         return fn
 
@@ -215,14 +244,128 @@ def _as_chunks(inputs, targets, chunk_size) -> list:
     raise TypeError(f"inputs must be a tensor (n, ...) or a DataLoader of (inputs, targets), got {type(inputs).__name__}")
 
 
-def problem(model: nn.Module, inputs, targets=None, loss: str = "mse", *, chunk_size: int | None = None) -> Problem:
+def _choose_params(model: nn.Module, params) -> list:
+    """``(name, parameter)`` pairs of theta: every parameter with ``requires_grad=True``, or the subset ``params``
+    (names or the parameter tensors themselves), in ``named_parameters()`` order."""
+    named = list(model.named_parameters())
+    if params is None:
+        return [(k, v) for k, v in named if v.requires_grad]
+    if isinstance(params, (str, torch.Tensor)) or not isinstance(params, Iterable):
+        raise TypeError(f"params must be a list of parameter names or of the model's parameters, got "
+                        f"{type(params).__name__}")
+    by_id = {id(v): k for k, v in named}
+    wanted = set()
+    for q in params:
+        if isinstance(q, str):
+            if q not in dict(named):
+                raise ValueError(f"params: {q!r} is not a parameter name of the model (named_parameters(): "
+                                 f"{[k for k, _ in named][:8]}{' ...' if len(named) > 8 else ''})")
+            wanted.add(q)
+        elif isinstance(q, torch.Tensor) and id(q) in by_id:
+            wanted.add(by_id[id(q)])
+        else:
+            raise ValueError(f"params: an entry of type {type(q).__name__} is neither a parameter name nor one of the "
+                             "model's parameters")
+    if not wanted:
+        raise ValueError("params must name at least one parameter")
+    return [(k, v) for k, v in named if k in wanted]
+
+
+def _first_bad_row(t: torch.Tensor) -> int:
+    bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(1)
+    return int(bad.nonzero()[0, 0])
+
+
+def _check_finite(chunks: list) -> None:
+    """Inputs and targets finite after the cast to the model's dtype (sample numbers global)."""
+    start = 0
+    for X, Y in chunks:
+        if X.is_floating_point() and not bool(torch.isfinite(X).all()):
+            raise ValueError(f"inputs are not finite (inf or NaN, in the model's dtype) at sample "
+                             f"{start + _first_bad_row(X)}: every curvature would be NaN or meaningless")
+        if Y.is_floating_point() and not bool(torch.isfinite(Y).all()):
+            raise ValueError(f"targets are not finite (inf or NaN) at sample {start + _first_bad_row(Y)}")
+        start += X.shape[0]
+
+
+def _check_values(loss: str, chunks: list, c: int, classes: int, out_shape: tuple, raw_dtypes: list) -> None:
+    """Shapes and values of inputs and targets, chunk by chunk; sample numbers in messages are global."""
+    start = 0
+    for i, ((X, Y), ydt) in enumerate(zip(chunks, raw_dtypes)):
+        nb = X.shape[0]
+        if loss in ("mse", "bce") and tuple(Y.shape) != (nb, c):
+            raise ValueError(f"targets for loss={loss!r} must have shape (n, c) = ({nb}, {c}); chunk {i} has "
+                             f"{tuple(Y.shape)}")
+        if loss == "bce" and bool(((Y < 0) | (Y > 1)).any()):
+            raise ValueError("targets for loss='bce' must be probabilities in [0, 1] (the model outputs logits)")
+        if loss == "cross_entropy":
+            tok = out_shape[:-1]
+            if Y.is_floating_point():
+                if tuple(Y.shape) != (nb, *out_shape):
+                    raise ValueError(f"targets for loss='cross_entropy' must be class indices {(nb, *tok)} or "
+                                     f"probabilities {(nb, *out_shape)}; chunk {i} has {tuple(Y.shape)}")
+                if bool((Y < 0).any()):
+                    raise ValueError("targets for loss='cross_entropy' given as probabilities must be nonnegative")
+                err = float((Y.sum(-1) - 1).abs().max())
+                tol = 16 * classes * torch.finfo(ydt).eps
+                if err > tol:
+                    raise ValueError(f"targets for loss='cross_entropy' given as probabilities must sum to 1 over the "
+                                     f"classes (last axis); a row is off by {err:.3g} (> {tol:.2g}). Normalise them "
+                                     "(Y / Y.sum(-1, keepdim=True)), or pass class indices")
+            elif Y.dim() != 1 + len(tok) or tuple(Y.shape) != (nb, *tok) or int(Y.min()) < 0 \
+                    or int(Y.max()) >= classes:
+                raise ValueError(f"targets for loss='cross_entropy' must be class indices in [0, {classes}) of shape "
+                                 f"{(nb, *tok)}; chunk {i} has shape {tuple(Y.shape)}")
+        start += nb
+
+
+def _check_modes(model: nn.Module, X: torch.Tensor, out: torch.Tensor, n_chunks: int) -> None:
+    """Refuse random modules in training mode (named) and a random forward pass; warn about train-mode batch norm."""
+    random = [f"'{k}' ({type(m).__name__})" for k, m in model.named_modules()
+              if m.training and isinstance(m, RANDOM_MODULES) and getattr(m, "p", 1.0) > 0]
+    if random:
+        raise ValueError(f"model has random modules in training mode: {', '.join(random)}; a random function has no "
+                         "Gauss-Newton matrix (every call would give another curvature). Put them in eval mode: "
+                         "model.eval(), or .eval() on those modules")
+    if any(m.training for m in model.modules()):
+        with torch.no_grad(), _no_running_stats(model):
+            again = model(X)
+        scale = float(out.abs().max()) if out.numel() else 0.0
+        if isinstance(again, torch.Tensor) and again.shape == out.shape and not torch.allclose(
+                again, out, rtol=1e-4, atol=1e-5 * scale):
+            raise ValueError("model's output is random: two forward passes on the same inputs differ (a dropout or "
+                             "other random operation inside a module's forward in training mode). Put the model in "
+                             "eval mode (model.eval()) so that its curvature is defined")
+    bn = [f"'{k}' ({type(m).__name__})" for k, m in model.named_modules()
+          if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if bn:
+        warnings.warn(f"batch norm in training mode: {', '.join(bn)}. Each data chunk's own statistics are used, so "
+                      f"f couples the samples of a chunk and every curvature depends on chunk_size (here "
+                      f"{n_chunks} chunk(s)); model.eval() uses the running statistics (recommended)", UserWarning,
+                      stacklevel=3)
+
+
+def problem(model: nn.Module, inputs, targets=None, loss: str = "mse", *, chunk_size: int | None = None,
+            reduction: str = "mean", params=None) -> Problem:
     r"""Validate a module, its data and its loss once, for every other function of :mod:`curvlab.model`.
 
     ``inputs``: a tensor ``(n, ...)`` with ``targets`` (then split into chunks of ``chunk_size`` samples, default one
     chunk), or a ``DataLoader`` (any iterable) yielding ``(inputs, targets)`` pairs, each batch one chunk.
-    ``model(inputs)`` must be ``(n_b, c)``. Targets: ``(n, c)`` for ``"mse"``; class indices ``(n,)`` or
-    probability rows ``(n, c)`` for ``"cross_entropy"``. Data are moved to the parameters' device and dtype
-    (class indices stay integers). All trainable parameters must share one device and one floating dtype.
+    ``model(inputs)`` must be ``(n_b, c)``, or ``(n_b, T, classes)`` for a per-token ``"cross_entropy"``.
+
+    Losses (per sample :math:`i`; the exact factors against torch's losses are on the API page):
+    ``"mse"`` :math:`\ell_i = \frac12\lVert f_i - y_i\rVert^2` (targets ``(n, c)``; torch's ``MSELoss`` has no
+    :math:`\frac12` and its ``"mean"`` also divides by :math:`c`); ``"cross_entropy"`` softmax cross-entropy over the
+    last axis, targets class indices ``(n,)`` / ``(n, T)`` or probability rows ``(n, c)`` / ``(n, T, c)`` (nonnegative,
+    summing to 1); ``"bce"`` binary cross-entropy on logits (targets in :math:`[0, 1]`, ``(n, c)``), as
+    ``BCEWithLogitsLoss``. ``reduction="mean"`` divides the summed loss by the number of terms torch's ``"mean"``
+    divides by for cross-entropy and BCE (:math:`n`, :math:`nT`, :math:`nc`) and by :math:`n` for MSE; ``"sum"`` by 1.
+
+    ``params``: the parameters :math:`\theta` (names or tensors of ``model``); default all with
+    ``requires_grad=True``. The others and all buffers are constants. Data are moved to the parameters' device and
+    dtype (class indices stay integers) and checked once: finite inputs and targets (after the cast), targets of the
+    loss's form. Refused: float16/bfloat16 parameters, random modules (dropout) in training mode, a random forward
+    pass; batch norm in training mode is warned about (it couples the samples of a chunk).
 
     >>> import torch; from torch import nn; from curvlab import model as cm
     >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
@@ -233,41 +376,48 @@ def problem(model: nn.Module, inputs, targets=None, loss: str = "mse", *, chunk_
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     loss = check_choice("loss", loss, LOSSES)
-    params = [(k, v) for k, v in model.named_parameters() if v.requires_grad]
-    if not params:
+    reduction = check_choice("reduction", reduction, REDUCTIONS)
+    chosen = _choose_params(model, params)
+    if not chosen:
         raise ValueError("model has no parameter with requires_grad=True: there is no curvature to compute")
-    devices = {str(v.device) for _, v in params}
+    devices = {str(v.device) for _, v in chosen}
     if len(devices) > 1:
         raise ValueError(f"model parameters must live on one device, found {sorted(devices)}")
-    dtypes = {v.dtype for _, v in params}
+    dtypes = {v.dtype for _, v in chosen}
     if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
         raise ValueError(f"model parameters must share one floating dtype, found {sorted(map(str, dtypes))}")
-    dtype, dev = params[0][1].dtype, params[0][1].device
-    chunks = []
+    dtype, dev = chosen[0][1].dtype, chosen[0][1].device
+    if dtype in (torch.float16, torch.bfloat16):
+        raise ValueError(f"model parameters are {dtype} (half precision): eigenvalues and the rank cut would be "
+                         f"noise at about {torch.finfo(dtype).eps:.0e} of lambda_max. Convert a copy with "
+                         "model.float() or model.double() first")
+    chunks, raw = [], []
     for X, Y in _as_chunks(inputs, targets, chunk_size):
+        raw.append(Y.dtype if Y.is_floating_point() else dtype)
         X = X.to(device=dev, dtype=dtype) if X.is_floating_point() else X.to(dev)
         Y = Y.to(dev) if (loss == "cross_entropy" and not Y.is_floating_point()) else Y.to(device=dev, dtype=dtype)
         chunks.append((X, Y))
+    _check_finite(chunks)
     with torch.no_grad(), _no_running_stats(model):
         out = model(chunks[0][0])
-    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+    per_token = loss == "cross_entropy" and isinstance(out, torch.Tensor) and out.dim() == 3
+    if not isinstance(out, torch.Tensor) or (out.dim() != 2 and not per_token):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"model output must be 2-D (n, c), got {shape}; flatten or reshape it inside the module")
-    c = out.shape[1]
-    for i, (X, Y) in enumerate(chunks):
-        if loss == "mse" and tuple(Y.shape) != (X.shape[0], c):
-            raise ValueError(f"targets for loss='mse' must have shape (n, c) = ({X.shape[0]}, {c}); chunk {i} has "
-                             f"{tuple(Y.shape)}")
-        if loss == "cross_entropy":
-            if Y.is_floating_point() and tuple(Y.shape) != (X.shape[0], c):
-                raise ValueError(f"targets for loss='cross_entropy' must be class indices (n,) or probabilities "
-                                 f"(n, c) = ({X.shape[0]}, {c}); chunk {i} has {tuple(Y.shape)}")
-            if not Y.is_floating_point() and (Y.dim() != 1 or int(Y.min()) < 0 or int(Y.max()) >= c):
-                raise ValueError(f"targets for loss='cross_entropy' must be class indices in [0, {c}) of shape (n,); "
-                                 f"chunk {i} has shape {tuple(Y.shape)}")
-    return Problem(model=model, loss=loss, chunks=chunks, names=[k for k, _ in params],
-                   shapes=[v.shape for _, v in params], sizes=[v.numel() for _, v in params],
-                   n=int(sum(X.shape[0] for X, _ in chunks)), c=int(c), dtype=dtype, device=dev)
+        raise ValueError(f"model output must be 2-D (n, c) (or (n, T, classes) for loss='cross_entropy', per token), "
+                         f"got {shape}; flatten or reshape it inside the module")
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("model output is not finite (inf or NaN) on the first chunk of inputs at the current "
+                         "parameters")
+    out_shape = tuple(out.shape[1:])
+    c, classes = int(math.prod(out_shape)), int(out_shape[-1])
+    _check_values(loss, chunks, c, classes, out_shape, raw)
+    _check_modes(model, chunks[0][0], out, len(chunks))
+    n = int(sum(X.shape[0] for X, _ in chunks))
+    terms = {"mse": n, "cross_entropy": n * c // classes, "bce": n * c}[loss]
+    return Problem(model=model, loss=loss, chunks=chunks, names=[k for k, _ in chosen],
+                   shapes=[v.shape for _, v in chosen], sizes=[v.numel() for _, v in chosen],
+                   n=n, c=c, dtype=dtype, device=dev, reduction=reduction, classes=classes,
+                   out_shape=out_shape, norm=float(terms if reduction == "mean" else 1))
 
 
 def _check_problem(prob) -> Problem:
@@ -277,38 +427,71 @@ def _check_problem(prob) -> Problem:
 
 
 # ============================================================================================ loss pieces
-def _probs(f: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(f, dim=-1)
+def _tokens(prob: Problem, f: torch.Tensor) -> torch.Tensor:
+    """``f`` ``(n_b, c)`` viewed as ``(n_b, T, classes)`` (``T = 1`` for a 2-D output)."""
+    return f.reshape(*f.shape[:-1], -1, prob.classes)
+
+
+def _probs(prob: Problem, f: torch.Tensor) -> torch.Tensor:
+    """Softmax over the classes of each token (cross-entropy) or the sigmoid (BCE), ``f``'s shape."""
+    if prob.loss == "bce":
+        return torch.sigmoid(f)
+    if prob.classes == f.shape[-1]:
+        return torch.softmax(f, dim=-1)
+    return torch.softmax(_tokens(prob, f), dim=-1).reshape(f.shape)
+
+
+def _onehot(prob: Problem, f: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    if Y.is_floating_point():
+        return Y.reshape(f.shape)
+    return torch.nn.functional.one_hot(Y, prob.classes).to(f.dtype).reshape(f.shape)
 
 
 def _hess_out(prob: Problem, f: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     r""":math:`\Lambda_i u_i` for each sample (``u`` of ``f``'s shape)."""
     if prob.loss == "mse":
         return u
-    pi = _probs(f)
-    return pi * u - pi * (pi * u).sum(-1, keepdim=True)
+    if prob.loss == "bce":
+        s = torch.sigmoid(f)
+        return s * (1 - s) * u
+    if prob.classes == prob.c:
+        pi = _probs(prob, f)
+        return pi * u - pi * (pi * u).sum(-1, keepdim=True)
+    pi, u3 = _tokens(prob, _probs(prob, f)), _tokens(prob, u)
+    return (pi * u3 - pi * (pi * u3).sum(-1, keepdim=True)).reshape(u.shape)
 
 
 def _sqrt_hess(prob: Problem, f: torch.Tensor) -> torch.Tensor:
-    r""":math:`S_i` with :math:`S_iS_i^\top = \Lambda_i`, shape ``(n_b, c, c)``."""
+    r""":math:`S_i` with :math:`S_iS_i^\top = \Lambda_i`, shape ``(n_b, c, c)`` (block diagonal over tokens)."""
     eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
     if prob.loss == "mse":
         return eye.expand(f.shape[0], -1, -1)
-    pi = _probs(f)
+    if prob.loss == "bce":
+        s = torch.sigmoid(f)
+        return torch.diag_embed((s * (1 - s)).sqrt())
+    pi = _tokens(prob, _probs(prob, f))  # (n_b, T, classes)
     s = pi.sqrt()
-    return torch.diag_embed(s) - pi.unsqueeze(-1) * s.unsqueeze(-2)
+    S = torch.diag_embed(s) - pi.unsqueeze(-1) * s.unsqueeze(-2)  # (n_b, T, classes, classes)
+    T = S.shape[1]
+    if T == 1:
+        return S[:, 0]
+    eyeT = torch.eye(T, dtype=f.dtype, device=f.device)
+    return torch.einsum("btij,ts->btisj", S, eyeT).reshape(f.shape[0], f.shape[-1], f.shape[-1])
 
 
 def _loss_grad_out(prob: Problem, f: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-    r""":math:`\nabla_f\ell_i`: :math:`r_i = f_i - y_i` (MSE) or :math:`\pi_i - y_i` (cross-entropy)."""
+    r""":math:`\nabla_f\ell_i`: :math:`r_i = f_i - y_i` (MSE), :math:`\pi_i - y_i` (cross-entropy, per token) or
+    :math:`\sigma(f_i) - y_i` (BCE)."""
     if prob.loss == "mse":
         return f - Y
-    onehot = Y if Y.is_floating_point() else torch.nn.functional.one_hot(Y, f.shape[-1]).to(f.dtype)
-    return _probs(f) - onehot
+    if prob.loss == "bce":
+        return torch.sigmoid(f) - Y
+    return _probs(prob, f) - _onehot(prob, f, Y)
 
 
 def loss_value(prob: Problem, theta: torch.Tensor | None = None) -> float:
-    r"""The averaged loss :math:`\mathcal L(\theta)` (current parameters when ``theta`` is None).
+    r"""The loss :math:`\mathcal L(\theta) = \frac1{\texttt{norm}}\sum_i\ell_i` (current parameters when ``theta`` is
+    None; ``norm`` from ``reduction``, see :func:`problem`).
 
     >>> import torch; from torch import nn; from curvlab import model as cm
     >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
@@ -324,11 +507,12 @@ def loss_value(prob: Problem, theta: torch.Tensor | None = None) -> float:
             f = prob.forward_fn(X)(theta)
             if prob.loss == "mse":
                 total += 0.5 * float(((f - Y) ** 2).sum())
+            elif prob.loss == "bce":
+                total += float(torch.nn.functional.binary_cross_entropy_with_logits(f, Y, reduction="sum"))
             else:
-                logp = torch.log_softmax(f, -1)
-                onehot = Y if Y.is_floating_point() else torch.nn.functional.one_hot(Y, f.shape[-1]).to(f.dtype)
-                total += float(-(onehot * logp).sum())
-    return total / prob.n
+                logp = torch.log_softmax(_tokens(prob, f), -1).reshape(f.shape)
+                total += float(-(_onehot(prob, f, Y) * logp).sum())
+    return total / prob.norm
 
 
 # ============================================================================================ products
@@ -373,7 +557,7 @@ def ggn_vector_product(prob: Problem, v) -> torch.Tensor:
             view.add_(grads[i])
             grads[i] = None
         del grads
-    return out.div_(prob.n)
+    return out.div_(prob.norm)
 
 
 def _kernel_vector_product(prob: Problem, w: torch.Tensor) -> torch.Tensor:
@@ -456,7 +640,7 @@ def ggn_matrix(prob: Problem, *, max_params: int = 20_000) -> torch.Tensor:
         raise ValueError(f"the model has p = {prob.p} > max_params = {max_params} parameters; a dense p x p GN "
                          "would not fit: use ggn_vector_product or condition(method='lanczos')")
     Jt = jacobian(prob)
-    return Jt.T @ Jt / prob.n
+    return Jt.T @ Jt / prob.norm
 
 
 def kernel_matrix(prob: Problem) -> torch.Tensor:
@@ -475,34 +659,149 @@ def kernel_matrix(prob: Problem) -> torch.Tensor:
 
 
 # ============================================================================================ conditioning
-def _scipy_operator(matvec, size: int, prob: Problem):
+class _Budget(Exception):
+    """Lanczos' wall-time budget ran out (raised from inside a product, caught by the caller)."""
+
+
+def _scipy_operator(matvec, size: int, dtype: torch.dtype, device, deadline: float | None = None):
+    """A float64 SciPy operator around a torch matvec run in ``dtype``; past ``deadline`` a product raises _Budget."""
     from scipy.sparse.linalg import LinearOperator
 
     def mv(x):
-        t = torch.as_tensor(np.asarray(x, dtype=np.float64).reshape(-1), dtype=prob.dtype, device=prob.device)
+        if deadline is not None and time.monotonic() > deadline:
+            raise _Budget
+        t = torch.as_tensor(np.asarray(x, dtype=np.float64).reshape(-1), dtype=dtype, device=device)
         with torch.no_grad():
             return matvec(t).detach().to("cpu", torch.float64).numpy()
 
     return LinearOperator((size, size), matvec=mv, dtype=np.float64)
 
 
+@dataclass(frozen=True)
+class Condition(ConditionNumber):
+    r""":class:`curvlab.curvature.ConditionNumber` with the route that measured it (``"dense"`` or ``"lanczos"``) and
+    the precision of the spectrum. ``rank`` and ``numerical_rank`` are ``None`` where they were not measured: Lanczos
+    found eigenvalues below the cut but cannot count their multiplicity (a repeated zero shows up once)."""
+
+    route: str = "dense"
+    precision: str = "float64"
+
+    def __str__(self) -> str:
+        if self.rank is not None:
+            return f"{super().__str__()} [{self.route}, {self.precision}]"
+        return (f"kappa={self.kappa:.4g} over the eigenvalues above rtol={self.rtol:.2g} (rank not measured: Lanczos "
+                f"found null directions of unknown multiplicity; size {self.size}), lambda_max={self.lambda_max:.4g}, "
+                f"gap at cut={self.gap:.3g} [{self.route}, {self.precision}]")
+
+
+def _warn_gap(res: ConditionNumber, where: str) -> None:
+    if res.gap < GAP_WARN:
+        warnings.warn(f"gap lambda_r/lambda_(r+1) = {res.gap:.3g} < 10 at the rank cut ({where}, rank "
+                      f"{res.rank if res.rank is not None else 'not measured'} of {res.size}): the cut lies inside the "
+                      f"spectrum, so kappa = {res.kappa:.4g} depends on where it falls. Look at the spectrum; compute it "
+                      "in float64 (precision='float64'), or choose rtol/rank where the gap is clean", RankCutWarning,
+                      stacklevel=3)
+
+
+def _lanczos(apply, size: int, *, k: int, tol: float, rtol: float | None, dtype: torch.dtype, device, seed: int,
+             maxiter: int, deadline: float | None, lift=None, precision: str = "model",
+             max_rounds: int = 8) -> Condition:
+    r"""kappa over the nonzero spectrum by ``eigsh`` (``k`` largest, then ``k`` smallest) on ``apply``, started from a
+    seeded vector. ``lift(lam_max) -> (apply', n_known)`` moves known null directions to ``lam_max`` first.
+
+    The rank is measured, not guessed: a repeated zero eigenvalue shows up in Lanczos once (or a few times), so each
+    round lifts the null Ritz vectors it found to ``lam_max`` and asks again, until a round finds no eigenvalue below
+    the cut (then ``rank = size - n_known - found``). After ``max_rounds`` rounds the rank is reported as not measured
+    (``None``)."""
+    from scipy.sparse.linalg import eigsh
+
+    if 2 * k >= size:
+        raise ValueError(f"k must be < size/2 = {size / 2:g} for Lanczos; use method='dense'")
+    v0 = np.random.default_rng(seed).standard_normal(size)
+    opts = dict(k=k, tol=tol, v0=v0, maxiter=maxiter)
+    top = eigsh(_scipy_operator(apply, size, dtype, device, deadline), which="LA", return_eigenvectors=False, **opts)
+    lam_max = float(np.max(top))
+    n_known = 0
+    if lift is not None:
+        apply, n_known = lift(lam_max)
+    rtol = default_rtol(size, dtype) if rtol is None else rtol
+    threshold = rtol * lam_max
+    base, found, nulls, kept = apply, [], None, np.empty(0)
+    for _ in range(max_rounds):
+        vals, vecs = eigsh(_scipy_operator(apply, size, dtype, device, deadline), which="SA", **opts)
+        below = vals <= threshold
+        kept = np.sort(vals[~below])[::-1] if (~below).any() else kept
+        if not below.any():
+            break
+        found.extend(vals[below].tolist())
+        new = torch.as_tensor(vecs[:, below], dtype=torch.float64)
+        nulls = new if nulls is None else torch.cat([nulls, new], 1)
+        Q = torch.linalg.qr(nulls).Q.to(dtype=dtype, device=device)
+
+        def apply(w, Q=Q):  # noqa: E306 - the found null directions lifted to lam_max as well
+            return base(w) + lam_max * (Q @ (Q.T @ w))
+    else:
+        below = np.ones(1, bool)  # the last round still found null directions: the count is not complete
+    if kept.size == 0:
+        raise ValueError(f"all {k} smallest eigenvalues are below rtol * lambda_max = {threshold:.3g}: the rank cut is "
+                         "out of Lanczos' reach; raise k or use method='dense'")
+    lam_r = float(kept[-1])
+    floor = float(torch.finfo(dtype).eps) * lam_max  # a Ritz value below this is zero to working precision
+    measured = not below.any()
+    if found:
+        lam_next = float(max(found))
+        gap = lam_r / max(lam_next, floor)
+    else:
+        lam_next = 0.0 if n_known else None
+        gap = math.inf
+    rank = size - n_known - len(found) if measured else None
+    return Condition(kappa=lam_max / lam_r, rank=rank, numerical_rank=rank, size=size, lambda_max=lam_max,
+                     lambda_min_nonzero=lam_r, lambda_discarded=lam_next, gap=gap, rtol=rtol, threshold=threshold,
+                     forced=False, route="lanczos", precision=precision)
+
+
+def _in_float64(prob: Problem) -> Problem:
+    """The same problem on a float64 copy of the module and data (the module itself is not touched)."""
+    if prob.dtype == torch.float64:
+        return prob
+    if prob.device.type == "mps":
+        raise ValueError("precision='float64' is not available on MPS (no float64 there); use precision='model' or "
+                         "move the model to the CPU")
+    model = copy.deepcopy(prob.model).to(torch.float64)
+    chunks = [(X.double() if X.is_floating_point() else X, Y.double() if Y.is_floating_point() else Y)
+              for X, Y in prob.chunks]
+    return dataclasses.replace(prob, model=model, chunks=chunks, dtype=torch.float64, _cache=None)
+
+
 def condition(prob: Problem, *, rank: int | None = None, rtol: float | None = None, method: str = "auto",
               dense_max: int = 3000, dense_max_entries: int = 2**27, k: int = 6,
-              tol: float = 1e-8) -> ConditionNumber:
+              tol: float = 1e-8, precision: str = "auto", seed: int = 0, maxiter: int = 300,
+              max_seconds: float | None = None) -> Condition:
     r""":math:`\kappa = \lambda_{\max}/\lambda_r` of :math:`H_{\mathrm{GN}}` over its nonzero spectrum, with the rank cut
-    :math:`r` and the gap :math:`\lambda_r/\lambda_{r+1}` there (:class:`curvlab.curvature.ConditionNumber`).
+    :math:`r` and the gap :math:`\lambda_r/\lambda_{r+1}` there (:class:`Condition`, a
+    :class:`curvlab.curvature.ConditionNumber`). A gap below 10 is warned about (:class:`RankCutWarning`) in every route.
 
-    Eigenvalues are those of :math:`H_{\mathrm{GN}}` (averaged units), computed on the smaller of
-    :math:`H_{\mathrm{GN}}` (``p x p``) and :math:`K/n` (``nc x nc``); ``size`` in the result is that matrix's size.
-    ``method="dense"``: float64 ``eigvalsh``; ``"lanczos"``: :func:`scipy.sparse.linalg.eigsh` on a matrix-free
-    operator for the ``k`` largest and ``k`` smallest eigenvalues (the numerical rank is then counted among the
-    smallest ``k``; if all of them fall below the threshold the cut is out of reach and a ValueError says so; for
-    cross-entropy on :math:`K` the ``n`` known null directions :math:`\sqrt{\pi_i}` are lifted out of the way first);
-    ``"auto"``: dense when the smaller size is at most ``dense_max`` *and* the dense route's :math:`\tilde J`
-    (``nc x p``, formed in full) has at most ``dense_max_entries`` entries (default :math:`2^{27}`, 1 GiB in float64);
-    otherwise Lanczos, whose products never form :math:`\tilde J` (at :math:`p\approx1.9\cdot10^6`, :math:`nc = 1280`
-    the dense route would need 9.5 GB in float32, Lanczos a few parameter-sized vectors). ``rtol`` defaults to
-    ``default_rtol(size, dtype)``; ``rank`` forces the cut (dense only).
+    Eigenvalues are those of :math:`H_{\mathrm{GN}}` (units of the loss, see ``reduction``), computed on the smaller of
+    :math:`H_{\mathrm{GN}}` (``p x p``) and :math:`K/\texttt{norm}` (``nc x nc``); ``size`` in the result is that
+    matrix's size.
+
+    ``method="dense"``: ``eigvalsh``; ``"lanczos"``: :func:`scipy.sparse.linalg.eigsh` on a matrix-free operator for the
+    ``k`` largest and ``k`` smallest eigenvalues, started from a vector seeded by ``seed`` (for cross-entropy on
+    :math:`K` the known null directions :math:`\sqrt{\pi_{i}}` of every sample and token are lifted to
+    :math:`\lambda_{\max}` first). Lanczos reports the rank only where it measured it: when no eigenvalue among the
+    ``k`` smallest falls below the cut; otherwise ``rank=None`` (a repeated zero eigenvalue shows up once), and if all
+    ``k`` fall below, a ValueError. Budget: ``maxiter`` restarts per end and ``max_seconds`` of wall time in all; past
+    either, the dense route is taken with a warning where it fits (``size <= dense_max`` and
+    :math:`nc\,p \le` ``dense_max_entries``), else a ValueError. ``"auto"``: dense when it fits, otherwise Lanczos
+    (at :math:`p\approx1.9\cdot10^6`, :math:`nc = 1280` the dense route's :math:`\tilde J` would need 9.5 GB in float32,
+    Lanczos a few parameter-sized vectors).
+
+    ``precision``: ``"float64"`` computes the spectrum on a float64 copy of the module and data (the same parameters,
+    evaluated exactly); ``"model"`` in the model's dtype; ``"auto"`` (default) is ``"float64"`` for the dense route
+    and ``"model"`` for Lanczos (a float64 copy of a :math:`10^6`-parameter network doubles time and memory; a float32
+    spectrum resolves eigenvalues down to about :math:`10^{-6}\lambda_{\max}` only, and the gap warning says when the
+    cut falls inside it). ``rtol`` defaults to ``default_rtol(size, dtype of the spectrum)``; ``rank`` forces the cut
+    (dense only).
 
     >>> import torch; from torch import nn; from curvlab import model as cm
     >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
@@ -512,56 +811,158 @@ def condition(prob: Problem, *, rank: int | None = None, rtol: float | None = No
     """
     prob = _check_problem(prob)
     method = check_choice("method", method, ("auto", "dense", "lanczos"))
+    precision = check_choice("precision", precision, ("auto", "float64", "model"))
     dense_max = check_int("dense_max", dense_max, min_value=1)
     dense_max_entries = check_int("dense_max_entries", dense_max_entries, min_value=1)
     k = check_int("k", k, min_value=1)
+    seed = check_int("seed", seed, min_value=0)
+    maxiter = check_int("maxiter", maxiter, min_value=1)
     tol = check_nonnegative("tol", tol)
+    if rtol is not None:
+        rtol = check_nonnegative("rtol", rtol)
+    if max_seconds is not None:
+        max_seconds = check_nonnegative("max_seconds", max_seconds)
     on_kernel = prob.n * prob.c < prob.p
     size = prob.n * prob.c if on_kernel else prob.p
+    fits = size <= dense_max and prob.n * prob.c * prob.p <= dense_max_entries
     if method == "auto":
-        method = "dense" if size <= dense_max and prob.n * prob.c * prob.p <= dense_max_entries else "lanczos"
+        method = "dense" if fits else "lanczos"
     if method == "dense":
-        M = kernel_matrix(prob) / prob.n if on_kernel else ggn_matrix(prob, max_params=max(prob.p, 1))
+        work = _in_float64(prob) if precision in ("auto", "float64") else prob
+        M = kernel_matrix(work) / work.norm if on_kernel else ggn_matrix(work, max_params=max(work.p, 1))
         lam = torch.linalg.eigvalsh(config.spectral(M)).flip(-1)
-        if rtol is None:
-            rtol = default_rtol(size, prob.dtype)
-        return condition_number(lam, rtol, rank=rank)
+        rtol = default_rtol(size, work.dtype) if rtol is None else rtol
+        res = Condition(**condition_number(lam, rtol, rank=rank).to_dict(), route="dense",
+                        precision=str(work.dtype).replace("torch.", ""))
+        _warn_gap(res, "dense route")
+        return res
     if rank is not None:
         raise ValueError("rank can only be forced with method='dense' (Lanczos sees only the spectrum's ends)")
-    from scipy.sparse.linalg import eigsh
-
-    if 2 * k >= size:
-        raise ValueError(f"k must be < size/2 = {size / 2:g} for Lanczos; use method='dense'")
+    work = _in_float64(prob) if precision == "float64" else prob
     if on_kernel:
-        op = _scipy_operator(lambda w: _kernel_vector_product(prob, w) / prob.n, size, prob)
+        apply = lambda w: _kernel_vector_product(work, w) / work.norm  # noqa: E731
     else:
-        op = _scipy_operator(lambda v: ggn_vector_product(prob, v), size, prob)
-    top = np.sort(eigsh(op, k=k, which="LA", tol=tol, return_eigenvectors=False))[::-1]
-    lam_max = float(top[0])
-    n_known = 0
-    if on_kernel and prob.loss == "cross_entropy":
-        # K's known null space: sqrt(pi_i) in sample i's block (S_i sqrt(pi_i) = 0). Lift it to lambda_max so that
+        apply = lambda v: ggn_vector_product(work, v)  # noqa: E731
+    lift = None
+    if on_kernel and work.loss == "cross_entropy":
+        # K's known null space: sqrt(pi) of each token in its block (S sqrt(pi) = 0). Lift it to lambda_max so that
         # the smallest eigenvalues Lanczos returns are those of the rest of the spectrum.
-        U = torch.cat([_probs(prob.forward_fn(X)(prob.theta()).detach()).sqrt() for X, _ in prob.chunks])
-        U = torch.block_diag(*U.unbind(0)).T  # (n c, n), orthonormal columns
-        op = _scipy_operator(lambda w: _kernel_vector_product(prob, w) / prob.n + lam_max * (U @ (U.T @ w)),
-                             size, prob)
-        n_known = prob.n
-    bottom = np.sort(eigsh(op, k=k, which="SA", tol=tol, return_eigenvectors=False))[::-1]
-    rtol = default_rtol(size, prob.dtype) if rtol is None else check_nonnegative("rtol", rtol)
-    threshold = rtol * lam_max
-    kept = bottom[bottom > threshold]
-    if kept.size == 0:
-        raise ValueError(f"all {k} smallest eigenvalues are below rtol * lambda_max = {threshold:.3g}: the rank cut is "
-                         "out of Lanczos' reach; raise k or use method='dense'")
-    n_zero = int((bottom <= threshold).sum()) + n_known
-    lam_r = float(kept[-1])
-    below = bottom[bottom <= threshold]
-    lam_next = float(below[0]) if below.size else (0.0 if n_zero else None)
-    gap = lam_r / lam_next if lam_next is not None and lam_next > 0 else math.inf
-    return ConditionNumber(kappa=lam_max / lam_r, rank=size - n_zero, numerical_rank=size - n_zero, size=size,
-                           lambda_max=lam_max, lambda_min_nonzero=lam_r, lambda_discarded=lam_next, gap=gap,
-                           rtol=rtol, threshold=threshold, forced=False)
+        def lift(lam_max):
+            with torch.no_grad():
+                P = torch.cat([_tokens(work, _probs(work, work.forward_fn(X)(work.theta()))).sqrt()
+                               for X, _ in work.chunks])  # (n, T, classes)
+            U = torch.block_diag(*P.reshape(-1, work.classes).unbind(0)).T  # (n c, n T), orthonormal columns
+            return (lambda w: apply(w) + lam_max * (U @ (U.T @ w))), U.shape[1]
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    from scipy.sparse.linalg import ArpackError
+
+    try:
+        res = _lanczos(apply, size, k=k, tol=tol, rtol=rtol, dtype=work.dtype, device=work.device, seed=seed,
+                       maxiter=maxiter, deadline=deadline, lift=lift, precision=str(work.dtype).replace("torch.", ""))
+    except (_Budget, ArpackError) as err:
+        why = (f"max_seconds = {max_seconds:g} s" if isinstance(err, _Budget) else
+               f"maxiter = {maxiter} restarts without converging to tol = {tol:g}: {err}")
+        if fits:
+            warnings.warn(f"Lanczos stopped at its budget ({why}); the dense route fits (size {size} <= dense_max, "
+                          f"nc p <= dense_max_entries) and is used instead", UserWarning, stacklevel=2)
+            return condition(prob, rank=None, rtol=rtol, method="dense", precision=precision)
+        raise ValueError(f"Lanczos stopped at its budget ({why}) and the dense route does not fit (size {size}, "
+                         f"dense_max = {dense_max}, nc p = {prob.n * prob.c * prob.p}, dense_max_entries = "
+                         f"{dense_max_entries}); raise maxiter or max_seconds, loosen tol, or try "
+                         "precision='float64'") from None
+    _warn_gap(res, "Lanczos")
+    return res
+
+
+def _torch_apply(op):
+    """``(apply, size, dtype, device)`` for a square operator: a torch matrix, a SciPy ``LinearOperator``, or an
+    object with ``shape`` and ``@`` on torch tensors (a curvlinops operator, a curvlab one)."""
+    from scipy.sparse.linalg import LinearOperator
+
+    if isinstance(op, torch.Tensor):
+        if op.dim() != 2 or op.shape[0] != op.shape[1] or not op.is_floating_point():
+            raise ValueError(f"op must be a square floating matrix, got shape {tuple(op.shape)} ({op.dtype})")
+        return (lambda v: op @ v), op.shape[0], op.dtype, op.device
+    shape = getattr(op, "shape", None)
+    if shape is None or len(shape) != 2 or shape[0] != shape[1]:
+        raise TypeError(f"op must be a square torch matrix, a scipy LinearOperator or an operator with shape and @ on "
+                        f"torch tensors (curvlinops), got {type(op).__name__} of shape {shape}")
+    if isinstance(op, LinearOperator):
+        def apply(v):
+            out = op @ v.detach().cpu().numpy().astype(np.float64)
+            return torch.as_tensor(np.asarray(out), dtype=torch.float64)
+
+        return apply, int(shape[0]), torch.float64, torch.device("cpu")
+    dtype = getattr(op, "dtype", torch.float64)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float64
+    return (lambda v: op @ v), int(shape[0]), dtype, getattr(op, "device", torch.device("cpu"))
+
+
+def condition_of(op, *, rank: int | None = None, rtol: float | None = None, method: str = "auto",
+                 dense_max: int = 3000, k: int = 6, tol: float = 1e-8, seed: int = 0, maxiter: int = 300,
+                 max_seconds: float | None = None, known_null: torch.Tensor | None = None) -> Condition:
+    r""":math:`\kappa` over the nonzero spectrum, with the rank cut and the gap there, of any symmetric PSD operator:
+    a curvlinops operator (``GGNLinearOperator``, ``KFACLinearOperator``, ``FisherMCLinearOperator``, ...), a SciPy
+    ``LinearOperator``, a curvlab one (:func:`ggn_operator`) or a torch matrix. The rules of :func:`condition`: dense
+    (``op @ I``, then float64 ``eigvalsh``) up to ``dense_max``, Lanczos beyond (seeded, with the same budget, the rank
+    reported only where measured; ``known_null``, ``(size, m)`` orthonormal columns, are lifted out of the way first);
+    ``rtol`` defaults to ``default_rtol(size, op's dtype)``; a gap below 10 warns. A ``p x p`` GGN with
+    :math:`nc < p` has a null space of dimension :math:`\ge p - nc` that Lanczos cannot see past: use the dense route,
+    or :func:`condition` (on the kernel) for a :mod:`curvlab.model` problem.
+
+    >>> import torch; from curvlab import model as cm
+    >>> cm.condition_of(torch.diag(torch.tensor([4.0, 2.0, 1.0, 0.0], dtype=torch.float64))).kappa
+    4.0
+    """
+    method = check_choice("method", method, ("auto", "dense", "lanczos"))
+    dense_max = check_int("dense_max", dense_max, min_value=1)
+    k = check_int("k", k, min_value=1)
+    seed = check_int("seed", seed, min_value=0)
+    maxiter = check_int("maxiter", maxiter, min_value=1)
+    tol = check_nonnegative("tol", tol)
+    if rtol is not None:
+        rtol = check_nonnegative("rtol", rtol)
+    apply, size, dtype, device = _torch_apply(op)
+    fits = size <= dense_max
+    if method == "auto":
+        method = "dense" if fits else "lanczos"
+    if method == "dense":
+        with torch.no_grad():
+            M = config.spectral(apply(torch.eye(size, dtype=dtype, device=device)))
+        asym = float((M - M.T).abs().max())
+        if asym > 1e3 * size * torch.finfo(dtype).eps * float(M.abs().max()):
+            raise ValueError(f"op is not symmetric (max |M - M^T| = {asym:.3g}): kappa needs a symmetric PSD operator")
+        lam = torch.linalg.eigvalsh(0.5 * (M + M.T)).flip(-1)
+        rtol = default_rtol(size, dtype) if rtol is None else rtol
+        res = Condition(**condition_number(lam, rtol, rank=rank).to_dict(), route="dense",
+                        precision=str(dtype).replace("torch.", ""))
+        _warn_gap(res, "dense route")
+        return res
+    if rank is not None:
+        raise ValueError("rank can only be forced with method='dense' (Lanczos sees only the spectrum's ends)")
+    lift = None
+    if known_null is not None:
+        U = torch.as_tensor(known_null, dtype=dtype, device=device)
+        if U.dim() != 2 or U.shape[0] != size:
+            raise ValueError(f"known_null must have shape ({size}, m), got {tuple(U.shape)}")
+        lift = lambda lam_max: ((lambda w: apply(w) + lam_max * (U @ (U.T @ w))), U.shape[1])  # noqa: E731
+    deadline = None if max_seconds is None else time.monotonic() + check_nonnegative("max_seconds", max_seconds)
+    from scipy.sparse.linalg import ArpackError
+
+    try:
+        res = _lanczos(apply, size, k=k, tol=tol, rtol=rtol, dtype=dtype, device=device, seed=seed, maxiter=maxiter,
+                       deadline=deadline, lift=lift, precision=str(dtype).replace("torch.", ""))
+    except (_Budget, ArpackError) as err:
+        why = "max_seconds" if isinstance(err, _Budget) else f"maxiter = {maxiter}: {err}"
+        if fits:
+            warnings.warn(f"Lanczos stopped at its budget ({why}); the dense route is used instead", UserWarning,
+                          stacklevel=2)
+            return condition_of(op, rtol=rtol, method="dense", dense_max=dense_max)
+        raise ValueError(f"Lanczos stopped at its budget ({why}) and size {size} > dense_max = {dense_max}; raise "
+                         "maxiter or max_seconds, or loosen tol") from None
+    _warn_gap(res, "Lanczos")
+    return res
+
 
 
 # ============================================================================================ K-FAC
@@ -594,8 +995,47 @@ def _pname(module: str, param: str) -> str:
 def _supported(mod: nn.Module) -> bool:
     if isinstance(mod, nn.Linear):
         return True
-    return (isinstance(mod, nn.Conv2d) and mod.groups == 1 and mod.padding_mode == "zeros"
+    return (type(mod) is nn.Conv2d and mod.groups == 1 and mod.padding_mode == "zeros"
             and not isinstance(mod.padding, str))
+
+
+def _why_unsupported(mod: nn.Module) -> str:
+    name = type(mod).__name__
+    if type(mod) is nn.Conv2d:
+        why = [f"groups={mod.groups}"] if mod.groups != 1 else []
+        why += [f"padding={mod.padding!r}"] if isinstance(mod.padding, str) else []
+        why += [f"padding_mode={mod.padding_mode!r}"] if mod.padding_mode != "zeros" else []
+        return f"{name}, {', '.join(why)}"
+    return name
+
+
+def _kfac_layers(prob: Problem) -> list:
+    """The (name, module) pairs K-FAC gives factors for; refuses shared parameters, warns about uncovered ones."""
+    trainable = set(prob.names)
+    owners: dict = {}
+    for name, mod in prob.model.named_modules():
+        for pn, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append(_pname(name, pn))
+    chosen = {id(p) for k, p in prob.model.named_parameters() if k in trainable}
+    shared = [names for key, names in owners.items() if len(names) > 1 and key in chosen]
+    if shared:
+        raise ValueError("K-FAC: parameters shared across modules: " + "; ".join(" = ".join(
+            repr(x) for x in names) for names in shared) + ". One Kronecker block per layer does not describe a "
+            "parameter used by several layers; leave them out with params=[...] or use the GN itself")
+    layers, skipped = [], []
+    for name, mod in prob.model.named_modules():
+        own = [_pname(name, pn) for pn, p in mod._parameters.items() if p is not None]
+        if not any(k in trainable for k in own):
+            continue
+        if _supported(mod) and _pname(name, "weight") in trainable:
+            layers.append((name, mod))
+        else:
+            skipped.append(f"'{name}' ({_why_unsupported(mod)})")
+    if skipped:
+        warnings.warn("K-FAC covers nn.Linear and nn.Conv2d (groups=1, numeric zero padding) only: no factors for the "
+                      f"parameters of {', '.join(skipped)}", UserWarning, stacklevel=3)
+    return layers
 
 
 def kfac_factors(prob: Problem) -> list[KFACFactors]:
@@ -615,8 +1055,7 @@ def kfac_factors(prob: Problem) -> list[KFACFactors]:
     """
     prob = _check_problem(prob)
     trainable = set(prob.names)
-    layers = [(name, mod) for name, mod in prob.model.named_modules() if _supported(mod)
-              and _pname(name, "weight") in trainable]
+    layers = _kfac_layers(prob)
     if not layers:
         raise ValueError("model has no trainable nn.Linear or nn.Conv2d (groups=1, zero padding) layer for K-FAC")
     C_in = {name: 0.0 for name, _ in layers}
@@ -640,10 +1079,17 @@ def kfac_factors(prob: Problem) -> list[KFACFactors]:
         S = _sqrt_hess(prob, f.detach())
         unused = [name for name, _ in layers if name not in seen]
         if unused:
-            raise ValueError(f"model has K-FAC layers that its forward pass does not use: {unused}")
+            raise ValueError(f"model has K-FAC layers that its forward pass does not use: {unused}; leave their "
+                             "parameters out with params=[...]")
         outs = [seen[name][1] for name, _ in layers]
         for j in range(prob.c):
-            grads = torch.autograd.grad(f, outs, grad_outputs=S[:, :, j], retain_graph=j < prob.c - 1)
+            grads = torch.autograd.grad(f, outs, grad_outputs=S[:, :, j], retain_graph=j < prob.c - 1,
+                                        allow_unused=True)
+            dead = [repr(name) for (name, _), g in zip(layers, grads) if g is None]
+            if dead:
+                raise ValueError(f"K-FAC layers with no path to the output: {', '.join(dead)} (the forward pass uses "
+                                 "them, but the model's output does not depend on them: their GN block is zero); leave "
+                                 "their parameters out with params=[...]")
             for (name, mod), g in zip(layers, grads):
                 g = g.reshape(g.shape[0], g.shape[1], -1).transpose(1, 2) if isinstance(mod, nn.Conv2d) \
                     else g.reshape(g.shape[0], -1, g.shape[-1])
@@ -655,7 +1101,7 @@ def kfac_factors(prob: Problem) -> list[KFACFactors]:
     for name, mod in layers:
         bias = _pname(name, "bias") if mod.bias is not None and _pname(name, "bias") in trainable else None
         result.append(KFACFactors(module=name, weight=_pname(name, "weight"), bias=bias,
-                                  C_out=(C_out[name] / prob.n).detach(), C_in=(C_in[name] / prob.n).detach()))
+                                  C_out=(C_out[name] / prob.norm).detach(), C_in=(C_in[name] / prob.n).detach()))
     return result
 
 
@@ -695,13 +1141,13 @@ def kfac_block_errors(prob: Problem, factors: list[KFACFactors] | None = None, *
             C = B if B is not None else torch.ones(1, 1, dtype=A.dtype, device=A.device)
             if J_W.shape[1] <= dense_block_max:  # form B: no cancellation in ||B - A kron C||
                 o, i = A.shape[0], C.shape[0]
-                B4 = (J_W.T @ J_W / prob.n).reshape(o, i, o, i)
+                B4 = (J_W.T @ J_W / prob.norm).reshape(o, i, o, i)
                 diff = B4 - A[:, None, :, None] * C[None, :, None, :]
                 nB2, nD2 = float((B4 * B4).sum()), float((diff * diff).sum())
             else:  # never form B; the difference then loses about half the digits (sqrt(eps) floor)
                 G = J_W @ J_W.T
-                nB2 = float((G * G).sum()) / prob.n ** 2
-                inner = float(torch.einsum("rab,ac,rcd,bd->", M, A, M, C)) / prob.n
+                nB2 = float((G * G).sum()) / prob.norm ** 2
+                inner = float(torch.einsum("rab,ac,rcd,bd->", M, A, M, C)) / prob.norm
                 nD2 = max(nB2 - 2 * inner + float((A * A).sum() * (C * C).sum()), 0.0)
             rel = math.sqrt(nD2 / nB2) if nB2 > 0 else math.nan
             rows.append(dict(module=fac.module, param=pname, size=size_of[pname], rel_error=rel))
@@ -737,7 +1183,7 @@ def gn_step(prob: Problem, lam_GN: float) -> torch.Tensor:
                        (torch.linalg.pinv(S, hermitian=False) @ g.unsqueeze(-1)).squeeze(-1))
     rho = torch.cat(rho).reshape(-1)
     K = Jt @ Jt.T
-    K = 0.5 * (K + K.T) + prob.n * lam_GN * torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
+    K = 0.5 * (K + K.T) + prob.norm * lam_GN * torch.eye(K.shape[0], dtype=K.dtype, device=K.device)
     L, info = torch.linalg.cholesky_ex(K)
     if int(info) != 0:
         raise ValueError(f"K + n lam_GN I is numerically singular (lam_GN = {lam_GN:g}); use lam_GN > 0"
@@ -765,7 +1211,7 @@ def loss_gradient(prob: Problem, theta: torch.Tensor | None = None) -> torch.Ten
         fn = prob.forward_fn(X)
         f, pullback = vjp(fn, theta)
         total = total + pullback(_loss_grad_out(prob, f.detach(), Y))[0]
-    return total / prob.n
+    return total / prob.norm
 
 
 def apply_step(prob: Problem, delta, eta: float = 1.0) -> None:
@@ -788,3 +1234,28 @@ def apply_step(prob: Problem, delta, eta: float = 1.0) -> None:
     with torch.no_grad():
         for k, t in prob.unflatten(delta).items():
             params[k].sub_(eta * t)
+
+
+# ============================================================================================ the ecosystem
+def torch_loss(prob: Problem) -> tuple:
+    r"""``(loss_function, scale)``: the torch loss module whose curvature, times ``scale``, is this problem's, for
+    handing the same problem to curvlinops or BackPACK (``scale * GGNLinearOperator(model, loss_function, ...)`` is
+    :math:`H_{\mathrm{GN}}` here).
+
+    ``"mse"``: ``MSELoss(reduction="sum")`` with ``scale`` :math:`= 1/(2\,\texttt{norm})` (its loss is
+    :math:`\sum\lVert f-y\rVert^2`, ours :math:`\frac1{\texttt{norm}}\sum\frac12\lVert f-y\rVert^2`);
+    ``"cross_entropy"``: ``CrossEntropyLoss(reduction=...)``, ``"bce"``: ``BCEWithLogitsLoss(reduction=...)``, both with
+    ``scale = 1`` (for a per-token output torch wants the classes on axis 1: ``(n, classes, T)``).
+
+    >>> import torch; from torch import nn; from curvlab import model as cm
+    >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    >>> prob = cm.problem(net, torch.randn(8, 3).double(), torch.randn(8, 2).double())
+    >>> cm.torch_loss(prob)
+    (MSELoss(), 0.0625)
+    """
+    prob = _check_problem(prob)
+    if prob.loss == "mse":
+        return nn.MSELoss(reduction="sum"), 1.0 / (2.0 * prob.norm)
+    if prob.loss == "bce":
+        return nn.BCEWithLogitsLoss(reduction=prob.reduction), 1.0
+    return nn.CrossEntropyLoss(reduction=prob.reduction), 1.0
