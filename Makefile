@@ -1,7 +1,7 @@
 # Curvature Lab — build, test and run the book.
 #   make book   install what is missing, build the whole book (profile: $CURVLAB_PROFILE, default standard)
 #   make test   install what is missing, run the unit tests, build the whole book in the quick profile, strictly
-#   make lab    open the chapters in JupyterLab (jupyterlab-myst; the clean copies in notebooks/colab/)
+#   make lab    open the chapters in JupyterLab (jupyterlab-myst) over a workspace copy: the repository is never written
 #   make colab  regenerate notebooks/colab/, the chapters as Colab and JupyterLab open them (tools/colab.py)
 # Everything is installed into ./.venv, a virtual environment that sees the system's site-packages, so a torch
 # that is already installed (a CUDA build, say) is used as it is and never replaced.

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
 import colab  # noqa: E402
 import curvlab_launch  # noqa: E402
+import myst_export  # noqa: E402
 import nbtool  # noqa: E402
 
 CHAPTERS = colab.chapters()
@@ -32,23 +33,66 @@ def shared():
     return {"index": colab.BookIndex.build(), "bib": colab.Bibliography(), "config": CONFIG}
 
 
+@pytest.fixture(scope="module")
+def js():
+    """node with KaTeX and jupyterlab-myst's MyST parser (tools/js, ``npm ci``; tools/ci_packages.sh installs them)."""
+    import shutil
+
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed: the KaTeX / jupyterlab-myst render checks need it (tools/ci_packages.sh)")
+    if not myst_export.install_js():
+        pytest.skip("cannot npm ci tools/js (KaTeX, myst-parser): run tools/ci_packages.sh")
+    return True
+
+
+FRONT = {f"\\{k}": myst_export.katex_safe(v) for k, (v, _n) in myst_export.load_macros().items()}
+
+
+def assert_renders(cells: list[str], index, what: str, frontmatter=FRONT) -> dict:
+    """Every formula renders in KaTeX (no macros; and after the first cell's definitions) and in jupyterlab-myst (its
+    parser and math transform, with the lab's front-matter macros); no raw TeX, MyST, HTML box or label is left."""
+    r = myst_export.render_check(cells, frontmatter)
+    for key in ("katex_plain", "katex_shared", "myst_errors", "quote_markers", "raw_tex", "myst_syntax", "html_boxes"):
+        assert not r[key], f"{what}: {len(r[key])} {key}, e.g. {r[key][:3]}"
+    assert r["myst_math"] == r["formulas"], f"{what}: jupyterlab-myst sees {r['myst_math']} of {r['formulas']} formulas"
+    raw = [lab for c in cells for lab in myst_export.raw_labels(c, index)]
+    raw += [lab for t in r["text"] for lab in myst_export.raw_labels(t, index)]
+    assert not raw, f"{what}: raw labels shown as text: {sorted(set(raw))[:10]}"
+    return r
+
+
 # ------------------------------------------------------------------------------------------------ the conversion
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
-def test_chapter_converts_without_leftover_myst_or_undefined_macro(path, shared):
+def test_chapter_converts_and_renders_in_katex_and_jupyterlab_myst(path, shared, js):
     nb, problems = colab.convert_notebook(path, "main", **shared)
-    assert not problems, f"{path.name}: MyST without a conversion in tools/colab.py: {problems}"
+    assert not problems, f"{path.name}: MyST without a conversion in tools/myst_export.py: {problems}"
     left = colab.leftovers(nb)
     assert not left, f"{path.name}: left in the Colab copy: {left[:10]}"
+    cells = [colab.cell_source(c) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    r = assert_renders(cells, shared["index"], f"Colab copy of {path.name}")
+    assert r["formulas"] > 0 or path.stem.startswith("00")
 
 
-def test_leftover_detector_catches_myst_and_unknown_macros():
+def test_render_check_catches_what_the_issue_saw(shared, js):
+    """The checker itself: a \\newcommand of a KaTeX built-in, an HTML box, a stray > in quoted maths, a raw label."""
+    cells = ["$\\newcommand{\\R}{\\mathbb{R}}\\newcommand{\\E}{\\mathbb{E}}$",
+             '<div class="curvlab-box">\n\n$x$\n\n</div>', "> **Lemma.**\n>\n> $$\n> a = b\n> $$",
+             "by notation-lem-vec", "{term}`K-FAC`", "$\\GN$ and $\\frac{1}$"]
+    r = myst_export.render_check(cells, FRONT)
+    assert r["katex_shared"] and any(e["cell"] == 0 for e in r["myst_errors"]), "\\newcommand of \\E, \\R must fail"
+    assert r["html_boxes"] and r["quote_markers"] and r["myst_syntax"]
+    assert any(e["cell"] == 5 for e in r["katex_plain"]), "an undefined macro must fail without definitions"
+    assert myst_export.raw_labels(cells[3], shared["index"]) == ["notation-lem-vec"]
+
+
+def test_leftover_detector_catches_myst_and_unexpanded_macros():
     md = lambda s: {"cell_type": "markdown", "metadata": {}, "source": s}  # noqa: E731
-    nb = {"cells": [md("$\\newcommand{\\GN}{H}$"), md("see {term}`K-FAC`"), md("```{prf:lemma} x\n:label: a\n```"),
-                    md("(sec-x)=\n# X"), md("$\\GN x$ and $\\foo$"), md("$$ a $$ (eq-a)"),
-                    md("`{term}` in code and ``{doc}`x` `` stay")]}
+    nb = {"cells": [md("$\\def\\GN{H}$"), md("see {term}`K-FAC`"), md("```{prf:lemma} x\n:label: a\n```"),
+                    md("(sec-x)=\n# X"), md("$\\GN x$"), md("$$ a $$ (eq-a)"),
+                    md("`{term}` in code and ``{doc}`x` `` stay"), md('<div class="x">\n\n$a$\n\n</div>')]}
     found = "\n".join(colab.leftovers(nb))
     for what in ("a MyST role", "a directive fence", "a (label)= target", "a directive option", "\\GN (a book macro",
-                 "\\foo (unknown", "an equation label"):
+                 "an equation label", "an HTML box"):
         assert what in found, what
     assert "cell 6" not in found
 
@@ -63,23 +107,59 @@ def test_macro_expansion_is_token_safe():
     assert colab.expand_macros(r"\ip{a}{\R^d}", macros) == r"\left\langle a, \mathbb{R}^d \right\rangle"
 
 
-def test_macro_definitions_accepted_by_katex_and_mathjax():
+def test_macro_definitions_are_katex_safe(js):
+    """\\def, never \\newcommand: KaTeX refuses \\newcommand{\\R} (a built-in) and of a name a host defined before
+    (jupyterlab-myst's front matter), and then defines none. The definitions must render under both, and define."""
     defs = colab.macro_definitions(colab.load_macros())
-    assert "\\operatorname*" not in defs, "old KaTeX builds reject \\operatorname*"
-    for name in colab.KATEX_BUILTIN & set(colab.load_macros()):
-        assert f"\\renewcommand{{\\{name}}}" in defs, f"KaTeX refuses \\newcommand{{\\{name}}}: it has \\{name}"
-    assert defs.count("command{") == len(colab.load_macros())
+    assert "\\newcommand" not in defs and "\\operatorname*" not in defs
+    assert defs.count("\\def\\") == len(colab.load_macros())
+    r = myst_export.render_check([f"${defs}$", "$\\GN \\R^d \\norm{x}$"], FRONT)
+    assert not r["katex_shared"] and not r["myst_errors"], (r["katex_shared"][:2], r["myst_errors"][:2])
+    assert [e["cell"] for e in r["katex_plain"]] == [1], "without the definitions the macros are undefined"
 
 
-def test_roles_become_links_to_the_published_book(shared):
+def test_references_show_the_books_numbers_and_titles(shared):
+    """Cross-references read "Lemma N (title)" with Sphinx's numbering (one counter per kind across the book, in
+    _toc.yml's order), linked to the published book; citations are author-year."""
     base = colab.book_url(CONFIG)
     m = re.match(r"https://github\.com/([^/]+)/([^/]+)", CONFIG["repository"]["url"])
     assert base == f"https://{m.group(1)}.github.io/{m.group(2)}/"
-    conv = colab.Converter("notebooks/10_linrep_derivations", shared["index"], shared["bib"], colab.load_macros(),
-                           CONFIG, "main")
-    md = conv.markdown("{term}`K-FAC` and {doc}`../book/notation`, {footcite:t}`zhang2025concurrence`.")
+    index = shared["index"]
+    lemmas = sorted((t for t in index.labels.values() if t.kind == "lemma"),
+                    key=lambda t: (myst_export.toc_docs().index(t.doc), int(t.number)))
+    assert [int(t.number) for t in lemmas] == sorted(int(t.number) for t in lemmas), "one counter across the book"
+    vec = index.labels["notation-lem-vec"]
+    conv = colab.Exporter("notebooks/10_linrep_derivations", **shared)
+    md = conv.markdown("{term}`K-FAC` and {doc}`../book/notation`, {footcite:t}`zhang2025concurrence`; "
+                       "by {prf:ref}`notation-lem-vec`.")
     assert f"]({base}book/glossary.html#term-K-FAC)" in md and f"]({base}book/notation.html)" in md
+    assert f"[Lemma {vec.number} ({vec.title})]({base}book/notation.html#notation-lem-vec)" in md
     assert "Zhang et al. (2025)" in md and not conv.problems
+    plain = colab.Exporter("notebooks/10_linrep_derivations", links=False, **shared)
+    assert plain.markdown("by {prf:ref}`notation-lem-vec`") == f"by Lemma {vec.number} ({vec.title})"
+
+
+def test_boxes_are_block_quotes_with_display_maths_on_one_line(shared):
+    conv = colab.Exporter("notebooks/10_linrep_derivations", **shared)
+    md = conv.markdown("```{prf:lemma} Title $\\GN$\n:class: status-proved\n\nSay\n\n$$\n\\GN\n= 1 % c\n$$\n```")
+    assert md.splitlines()[0] == "> **Lemma (Title $H_{\\mathrm{GN}}$).** *Status: proved here.*"
+    assert "> $$ H_{\\mathrm{GN}} = 1 $$" in md and "<div" not in md
+
+
+@pytest.mark.parametrize("stem", ["10_linrep_derivations", "32_gn_conditioning_leaky_relu"])
+def test_student_notebook_renders_in_katex_and_jupyterlab_myst(stem, shared, js):
+    """A student notebook (tools/student.py, the stored hashed references reused: no kernel runs) renders with 0 raw
+    TeX and 0 raw labels, its boxes as block quotes and its first cell's definitions accepted by KaTeX."""
+    import nbformat
+    import student
+
+    chapter = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    specs = student.load_specs(chapter, stem)
+    nb = student.student_notebook(chapter, stem, specs, student.stored_refs(student.STUDENT_DIR / f"{stem}.ipynb"))
+    cells = [colab.cell_source(c) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    assert all(not myst_export.leftovers(c) for c in cells), [myst_export.leftovers(c) for c in cells if myst_export.leftovers(c)]
+    r = assert_renders(cells, shared["index"], f"student notebook {stem}")
+    assert r["blockquotes"] > 0 and r["quoted_math"] > 0
 
 
 # ------------------------------------------------------------------------------------------------ the stored copies
@@ -263,19 +343,82 @@ def test_a_chapter_runs_in_a_fresh_venv_with_only_torch_and_lib(tmp_path_factory
     assert res.returncode != 0 and 'curvlab[notebooks]' in res.stderr, res.stderr[-1500:]
 
 
-def test_lab_serves_chapters_with_the_macros_and_never_saves_them(tmp_path):
-    import asyncio
+LAB_OPENED = ("notebooks/colab/00_how_to_read.ipynb", "notebooks/00_how_to_read.ipynb",
+              "notebooks/student/10_linrep_derivations.ipynb")
 
-    pytest.importorskip("jupyter_server")
-    (tmp_path / "notebooks").mkdir()
-    src = ROOT / "notebooks" / "00_how_to_read.ipynb"
-    (tmp_path / "notebooks" / src.name).write_text(src.read_text())
-    manager = colab.lab_contents_manager()(root_dir=str(tmp_path))
-    model = asyncio.run(manager.get(f"/notebooks/{src.name}", content=True, type="notebook"))
-    first = model["content"].cells[0]
-    assert first.source.startswith("---\nmath:\n") and "\\GN: H_{\\mathrm{GN}}" in first.source
-    asyncio.run(manager.save({"type": "notebook", "format": "json", "content": model["content"]},
-                             f"/notebooks/{src.name}"))
-    saved = json.loads((tmp_path / "notebooks" / src.name).read_text())
-    assert [colab.cell_source(c) for c in saved["cells"]] == [colab.cell_source(c) for c in json.loads(src.read_text())["cells"]]
-    assert "numbering" in colab.lab_frontmatter(numbered=False) and "numbering" not in first.source
+
+def _git_state() -> tuple[str, dict[str, str]]:
+    """`git status` and the bytes of the notebooks the lab test opens (only those: on a shared working tree other
+    notebooks may be under edit meanwhile), and whether a checkpoint folder appeared in the repository."""
+    import hashlib
+
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--ignored", "--", *LAB_OPENED],
+                            cwd=ROOT, capture_output=True, text=True).stdout
+    files = {p: hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in LAB_OPENED}
+    files["checkpoints"] = str(sorted(str(p) for p in (ROOT / "notebooks").rglob(".ipynb_checkpoints")))
+    return status, files
+
+
+def test_lab_browsing_never_changes_the_repository(tmp_path, monkeypatch):
+    """`make lab` serves a workspace copy: start JupyterLab as `make lab` does (no browser, a loopback port), open and
+    save notebooks through the Jupyter server's REST API as the front end does (GET, then PUT of the model), and
+    check that the repository's notebooks/ and `git status` are unchanged and the served root holds no repository."""
+    import secrets
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    pytest.importorskip("jupyterlab")
+    monkeypatch.setenv("CURVLAB_LAB_DIR", str(tmp_path / "ws"))
+    before = _git_state()
+    ws, kept = colab.sync_lab()
+    assert ws == (tmp_path / "ws").resolve() and not kept
+    src = json.loads((ws / "notebooks" / "00_how_to_read.ipynb").read_text())
+    assert colab.cell_source(src["cells"][0]).startswith("---\nmath:\n"), "MyST chapters get the macros' front matter"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    token = secrets.token_hex(8)
+    cmd = colab.lab_command(port, token, ws)
+    if "--no-browser" not in cmd:
+        cmd.append("--no-browser")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}/api"
+
+    def call(method: str, path: str, body: dict | None = None) -> dict:
+        req = urllib.request.Request(base + path, method=method, headers={"Authorization": f"token {token}",
+                                                                           "Content-Type": "application/json"},
+                                     data=json.dumps(body).encode() if body is not None else None)
+        with urllib.request.urlopen(req, timeout=60) as res:  # noqa: S310  (loopback only)
+            return json.loads(res.read() or b"{}")
+
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                call("GET", "/status")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if proc.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"JupyterLab did not start: {proc.stderr.read()[-2000:] if proc.poll() is not None else 'timeout'}")
+                time.sleep(1)
+        root = {m["name"] for m in call("GET", "/contents")["content"]}
+        assert "notebooks" in root and not root & {"lib", "tools", "_config.yml", ".git"}, root
+        for name in LAB_OPENED:
+            model = call("GET", f"/contents/{name}?type=notebook&content=1")
+            model["content"]["cells"].append({"cell_type": "markdown", "metadata": {}, "source": "my note",
+                                              "id": "reader-note"})
+            call("PUT", f"/contents/{name}", {"type": "notebook", "format": "json", "content": model["content"]})
+            call("POST", f"/contents/{name}/checkpoints")
+        assert "my note" in (ws / "notebooks" / "colab" / "00_how_to_read.ipynb").read_text()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    after = _git_state()
+    assert after == before, "browsing in `make lab` changed the repository"
+    _, kept = colab.sync_lab()
+    assert sorted(kept) == sorted(LAB_OPENED), "the reader's saved edits are kept"

@@ -8,11 +8,11 @@
    projector context. Executed copies are kept in ``<out>/.executed/``, keyed on the notebook's code, the
    library's source and the profile (the same key as the book's execution cache), so a rerun re-executes only
    what changed. The chapters' check records go to ``<out>/.ledger/``, never into the book's ledger.
-2. **Convert** the MyST Markdown the book's extensions render (theorem blocks, proofs, exercises, gated
-   solutions, ``literalinclude``, citations, cross-references, labelled equations) into plain Markdown + HTML that
-   a slide can show: theorem-like blocks become boxes with their status, proofs open boxes, exercises are shown and
-   their **solutions left out** (text and code), ``literalinclude`` inlines the library function, citations become
-   "Author (year)" with a reference list decoded from BibTeX to Unicode.
+2. **Convert** the MyST Markdown with the shared export layer (``tools/myst_export.py``, as the Colab copies and
+   student notebooks): theorem-like blocks become boxes with their number, title and status, exercises are shown
+   and their **solutions left out** (text and code), ``literalinclude`` inlines the library function, citations
+   become "Author (year)" with a reference list decoded from BibTeX to Unicode, cross-references "Lemma 7 (title)"
+   as the book numbers them.
 3. **Lay out** the slides (``DeckLayout``) from an estimate of each block's rendered height on the 1280 x 800
    canvas: ``#``/``##`` start a slide, ``###`` one below it; a section longer than a slide continues on slides
    below, titled like it, split between paragraphs, sentences, list items, code lines or a box's blocks; a theorem,
@@ -33,7 +33,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
 import hashlib
 import html
@@ -55,11 +54,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
 import curvlab_book  # noqa: E402  (the book's extension: build environment and cache key)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import myst_export  # noqa: E402  (the MyST -> notebook Markdown layer, shared with the Colab and student copies)
+
 PROJECTOR_CELL = 'curvlab.plotting.set_theme("projector")  # slides: larger fonts and lines'
 DEFAULT_OUT = ROOT / "_build" / "slides"
-STATUS = {"status-proved": "proved here", "status-checked": "checked here", "status-stated": "stated from a paper"}
-ADMONITIONS = {"note", "tip", "hint", "important", "warning", "caution", "attention", "danger", "error", "seealso",
-               "admonition", "dropdown", "margin", "sidebar", "topic"}
 
 
 # ------------------------------------------------------------------------------------------------ chapters
@@ -152,232 +151,26 @@ def execute_all(chapters: list[Path], out_dir: Path, profile: str, jobs: int, fo
 
 
 # ------------------------------------------------------------------------------------------------ MyST -> Markdown
-def latex_to_text(s: str) -> str:
-    """BibTeX field text as Unicode: accents and escapes decoded (``Mar\\v{c}enko`` -> ``Marčenko``), braces gone."""
-    import codecs
-
-    import latexcodec  # noqa: F401  (registers the 'ulatex' codec; a dependency of pybtex)
-
-    try:
-        s = codecs.decode(s, "ulatex")
-    except (UnicodeDecodeError, ValueError):  # pragma: no cover - latexcodec decodes any str; keep the text if not
-        pass
-    return re.sub(r"\s+", " ", s.replace("{", "").replace("}", "")).strip()
+# One conversion for every copy of a chapter: tools/myst_export.py (the parser the book uses, the book's numbers and
+# titles for references). The slides ask it for HTML boxes (the layout below measures them), plain-text references,
+# solutions left out, and the macros left to MathJax (the deck defines them, as the book does).
+Bibliography = myst_export.Bibliography
+latex_to_text = myst_export.latex_to_text
+_INDEX: list[myst_export.BookIndex] = []
 
 
-class Bibliography:
-    """Author–year labels and reference lines from ``book/references.bib`` (pybtex ships with sphinxcontrib-bibtex).
-
-    Every field is decoded from LaTeX to Unicode (``latex_to_text``), so no ``\\v{c}`` reaches a slide."""
-
-    def __init__(self, path: Path = ROOT / "book" / "references.bib") -> None:
-        from pybtex.database import parse_file
-
-        self.entries = parse_file(str(path)).entries if path.exists() else {}
-
-    def _authors(self, key: str) -> str:
-        entry = self.entries.get(key)
-        if entry is None:
-            return key
-        people = entry.persons.get("author") or entry.persons.get("editor") or []
-        last = [latex_to_text(" ".join(p.last_names)) for p in people]
-        if not last:
-            return key
-        return last[0] if len(last) == 1 else f"{last[0]} and {last[1]}" if len(last) == 2 else f"{last[0]} et al."
-
-    def year(self, key: str) -> str:
-        entry = self.entries.get(key)
-        return entry.fields.get("year", "n.d.") if entry is not None else "n.d."
-
-    def cite(self, keys: list[str], parenthetical: bool) -> str:
-        if parenthetical:
-            return "(" + "; ".join(f"{self._authors(k)}, {self.year(k)}" for k in keys) + ")"
-        return "; ".join(f"{self._authors(k)} ({self.year(k)})" for k in keys)
-
-    def reference(self, key: str) -> str:
-        entry = self.entries.get(key)
-        if entry is None:
-            return f"{key} (not in the bibliography)"
-        people = entry.persons.get("author") or []
-        names = ", ".join(latex_to_text(" ".join(p.first_names + p.middle_names + p.last_names)) for p in people[:6])
-        names += " et al." if len(people) > 6 else ""
-        venue = entry.fields.get("journal") or entry.fields.get("booktitle") or entry.fields.get("publisher") or ""
-        title = latex_to_text(entry.fields.get("title", ""))
-        return f"{names} ({self.year(key)}). *{title}*." + (f" {latex_to_text(venue)}." if venue else "")
+def book_index() -> myst_export.BookIndex:
+    if not _INDEX:
+        _INDEX.append(myst_export.BookIndex.build())
+    return _INDEX[0]
 
 
-FENCE = re.compile(r"^(\s*)(`{3,}|:{3,})\{([A-Za-z][\w:-]*)\}\s*(.*)$")
-ROLE = re.compile(r"\{([A-Za-z][\w:+-]*)\}`([^`]+)`")
-EQ_LABEL = re.compile(r"^\s*\$\$\s*\(([\w:.-]+)\)\s*$")
-OPTION = re.compile(r"^\s*:([A-Za-z][\w-]*):\s*(.*)$")
-
-
-class MystToSlides:
-    """Convert one chapter's MyST Markdown cells to Markdown + HTML for nbconvert's reveal exporter.
-
-    State runs across cells, because the gated exercise form opens a solution in one cell and closes it in another:
-    while ``in_solution`` is true every line and every code cell is left out of the deck.
-    """
-
-    def __init__(self, notebook_dir: Path, bib: Bibliography, nb: nbformat.NotebookNode) -> None:
-        self.dir = notebook_dir
-        self.bib = bib
-        self.in_solution = False
-        self.cited: list[str] = []
-        self.labels: dict[str, str] = {}
-        for c in nb.cells:  # theorem-like labels -> "Lemma (Stein's lemma)"
-            if c.cell_type != "markdown":
-                continue
-            lines = c.source.splitlines()
-            for i, line in enumerate(lines):
-                m = FENCE.match(line)
-                if m and m.group(3).startswith("prf:"):
-                    for opt in lines[i + 1 : i + 6]:
-                        o = OPTION.match(opt)
-                        if o and o.group(1) == "label":
-                            kind = m.group(3).split(":", 1)[1].capitalize()
-                            self.labels[o.group(2).strip()] = f"{kind} ({m.group(4).strip()})" if m.group(4).strip() else kind
-
-    # ---- roles
-    def _doc_title(self, target: str) -> str:
-        base = (self.dir / target).resolve()
-        for suffix in (".ipynb", ".md"):
-            f = base.with_suffix(suffix)
-            if f.exists():
-                try:
-                    if suffix == ".ipynb":
-                        text = next(c.source for c in nbformat.read(f, as_version=4).cells if c.cell_type == "markdown")
-                    else:
-                        text = f.read_text()
-                    m = re.search(r"^#\s+(.+)$", text, flags=re.M)
-                    if m:
-                        return m.group(1).strip()
-                except (OSError, StopIteration, ValueError):
-                    pass
-        return Path(target).name.replace("_", " ")
-
-    def role(self, m: re.Match) -> str:
-        name, content = m.group(1), m.group(2)
-        explicit = re.match(r"^(.*?)\s*<([^>]+)>$", content, flags=re.S)
-        text, target = (explicit.group(1), explicit.group(2)) if explicit else (None, content)
-        if name.startswith("footcite"):
-            keys = [k.strip() for k in content.split(",") if k.strip()]
-            self.cited.extend(k for k in keys if k not in self.cited)
-            return self.bib.cite(keys, parenthetical=name.endswith(":p") or name == "footcite")
-        if name == "doc":
-            return f"*{text or self._doc_title(target)}*"
-        if name == "prf:ref":
-            return text or self.labels.get(target, target)
-        if name in ("ref", "numref"):
-            return text or target.replace("-", " ")
-        if name == "eq":
-            return f"({target})"
-        if name == "math":
-            return f"${content}$"
-        if name in ("func", "class", "meth", "mod", "attr", "obj", "data", "exc") or name.startswith("py:"):
-            return f"`{target.lstrip('~')}`"
-        if name == "download":
-            return text or Path(target).name
-        return text or target  # term, abbr, sub, ...
-
-    def roles(self, line: str) -> str:
-        return ROLE.sub(self.role, line)
-
-    # ---- directives
-    def literalinclude(self, arg: str, options: dict[str, str]) -> list[str]:
-        path = (self.dir / arg).resolve()
-        try:
-            source = path.read_text()
-        except OSError:
-            return [f"*(listing: {arg})*"]
-        obj = options.get("pyobject")
-        if obj:
-            tree = ast.parse(source)
-            node = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == obj.split(".")[-1]), None)
-            if node is not None:
-                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                source = "\n".join(source.splitlines()[start - 1 : node.end_lineno])
-        lang = options.get("language", "python")
-        return [f"```{lang}", *source.splitlines(), "```"]
-
-    def directive(self, name: str, arg: str, options: dict[str, str], body: list[str]) -> list[str]:
-        if name == "exercise-start":
-            return ["", f'<div class="curvlab-box curvlab-exercise">', "", f"**Exercise.** {self.roles(arg)}", ""]
-        if name == "exercise-end":
-            return ["", "</div>", ""]
-        if name == "solution-start":
-            self.in_solution = True
-            return []
-        if name == "solution-end":
-            self.in_solution = False
-            return []
-        if name == "solution":
-            return []
-        inner = self.convert_lines(body)
-        if name.startswith("prf:") and name != "prf:proof":
-            kind = name.split(":", 1)[1].capitalize()
-            status = STATUS.get(options.get("class", "").split()[0] if options.get("class") else "", "")
-            head = f"**{kind}**" + (f" ({self.roles(arg)})" if arg else "") + (f" · *{status}*" if status else "")
-            return ["", f'<div class="curvlab-box curvlab-prf">', "", head, "", *inner, "", "</div>", ""]
-        if name == "prf:proof":
-            return ["", '<div class="curvlab-box curvlab-proof">', "", "*Proof.*", "", *inner, "", "</div>", ""]
-        if name == "exercise":
-            return ["", '<div class="curvlab-box curvlab-exercise">', "", f"**Exercise.** {self.roles(arg)}", "", *inner, "", "</div>", ""]
-        if name == "literalinclude":
-            return ["", *self.literalinclude(arg, options), ""]
-        if name == "footbibliography":
-            return ["", *[f"- {self.bib.reference(k)}" for k in self.cited], ""]
-        if name in ("math",):
-            return ["", "$$", *body, "$$", ""]
-        if name in ("code", "code-block", "code-cell"):
-            return ["", f"```{arg}", *body, "```", ""]
-        if name in ADMONITIONS:
-            title = self.roles(arg) if arg else name.capitalize()
-            return ["", f'<div class="curvlab-box curvlab-{name}">', "", f"**{title}**", "", *inner, "", "</div>", ""]
-        if name in ("figure", "image"):
-            return ["", f"*(figure: {arg})*", *inner, ""]
-        if name in ("bibliography", "toctree", "tableofcontents", "curvlab-ledger", "curvlab-status"):
-            return []
-        return ["", *inner, ""]
-
-    def convert_lines(self, lines: list[str]) -> list[str]:
-        out: list[str] = []
-        i = 0
-        while i < len(lines):
-            m = FENCE.match(lines[i])
-            if m:
-                fence, name, arg = m.group(2), m.group(3), m.group(4).strip()
-                j = i + 1
-                while j < len(lines):
-                    s = lines[j].strip()
-                    if s and set(s) == {fence[0]} and len(s) >= len(fence):
-                        break
-                    j += 1
-                block = lines[i + 1 : j]
-                options: dict[str, str] = {}
-                while block and OPTION.match(block[0]):
-                    o = OPTION.match(block[0])
-                    options[o.group(1)] = o.group(2).strip()
-                    block = block[1:]
-                i = j + 1
-                if self.in_solution and name != "solution-end":
-                    continue
-                out.extend(self.directive(name, arg, options, block))
-                continue
-            line = lines[i]
-            i += 1
-            if self.in_solution or re.match(r"^\s*\([\w:-]+\)=\s*$", line) or re.match(r"^%", line):
-                continue
-            eq = EQ_LABEL.match(line)
-            if eq:  # a labelled display equation, `$$ (label)`: MathJax shows the label as its tag
-                out.extend([f"\\tag{{{eq.group(1)}}}", "$$"])
-                continue
-            out.append(self.roles(line))
-        return out
-
-    def markdown(self, source: str) -> str:
-        text = "\n".join(self.convert_lines(source.splitlines()))
-        return re.sub(r"\n{3,}", "\n\n", text).strip()
+def slide_exporter(notebook_dir: Path, bib: Bibliography | None = None, stem: str = "deck") -> myst_export.Exporter:
+    """The export layer as the slides use it: for a chapter in ``notebook_dir`` (paths resolve from there)."""
+    rel = Path(notebook_dir).resolve()
+    rel = rel.relative_to(ROOT) if rel.is_relative_to(ROOT) else Path("notebooks")
+    return myst_export.Exporter((rel / stem).as_posix(), index=book_index(), bib=bib or Bibliography(),
+                                boxes="html", solutions="hide", links=False, expand=False)
 
 
 # ------------------------------------------------------------------------------------------------ slide layout
@@ -809,11 +602,11 @@ def slide_notebook(nb: nbformat.NotebookNode, notebook_dir: Path, bib: Bibliogra
                    budget: float = BUDGET) -> nbformat.NotebookNode:
     """The executed chapter laid out as slides: the notebook the reveal exporter renders.
 
-    Markdown is converted (``MystToSlides``) and split into blocks; code inputs are hidden unless the cell is tagged
+    Markdown is converted (``slide_exporter``) and split into blocks; code inputs are hidden unless the cell is tagged
     ``slide-code``; every figure gets its own slide; a Markdown cell tagged ``notes`` becomes the previous slide's
     speaker notes (it may also carry ``remove-cell``, which keeps it out of the book). Exercise solutions are left
     out, text and code."""
-    conv = MystToSlides(notebook_dir, bib or Bibliography(), nb)
+    conv = slide_exporter(notebook_dir, bib)
     deck = DeckLayout(budget)
     for cell in nb.cells:
         tags = set(cell.metadata.get("tags", []))

@@ -5,9 +5,10 @@
 
 What a student notebook is (the convention is in ``book/conventions.md``, section *Exercises*):
 
-* the chapter, its Markdown made readable outside the book (the same MyST conversion as the slides:
-  ``tools/slides.py``), with **every solution left out**: ``solution`` blocks, and the text *and code* of gated
-  solutions (``solution-start`` … ``solution-end``);
+* the chapter, its Markdown made readable outside the book by the shared export layer (``tools/myst_export.py``, as
+  the Colab copies: formulas with the book's macros expanded, theorem boxes as block quotes, references as "Lemma 7
+  (title)" linked to the book, citations author–year), with **every solution left out**: ``solution`` blocks, and
+  the text *and code* of gated solutions (``solution-start`` … ``solution-end``);
 * for each gated exercise that has a *student spec*, the solution's code replaced by a **stub** (placeholders
   ``...``, tagged ``student-stub``) and a **self-check** cell (tagged ``self-check``) calling
   ``self_check(label, name=value, ...)``, which raises ``AssertionError`` until every answer is right;
@@ -15,7 +16,9 @@ What a student notebook is (the convention is in ``book/conventions.md``, sectio
   solution: the reference value ``r`` (computed here by running the chapter's own solution) is stored only as
   ``sha256(salt:k)`` with ``k = round(r / tol)``; an answer ``a`` passes when the hash of ``round(a / tol) + j``,
   ``j`` in ``{-1, 0, 1}``, matches, that is when ``|a - r|`` is below about ``1.5 tol``. A hash hides the value from
-  a reader; it does not stop a determined student from trying every candidate, which is fine for self-study.
+  a reader; it does not stop a determined student from trying every candidate (the references can be inverted by
+  trial in seconds): these are **self-checks, not grading**. For graded work, ``tools/nbgrader_export.py`` writes the
+  same exercises as nbgrader assignments.
 
 The student spec of an exercise (its label → ``needs``, ``answers``, ``stub``) lives in the metadata of the
 solution's first code cell (``metadata.curvlab.student``) or, until the chapters carry it, in the sidecar file
@@ -43,8 +46,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+import myst_export  # noqa: E402  (the MyST -> notebook Markdown layer, shared with the Colab copies and the slides)
 import nbtool  # noqa: E402
-import slides  # noqa: E402  (the MyST -> Markdown conversion, shared with the decks)
+import slides  # noqa: E402  (resolve_chapters: the chapters of _toc.yml)
 
 STUDENT_DIR = ROOT / "notebooks" / "student"  # what students download: generated notebooks only
 SPEC_DIR = ROOT / "tools" / "student_specs"  # the sidecar specs (teacher code): never shipped to students
@@ -234,16 +238,19 @@ def reference_hashes(nb: nbformat.NotebookNode, stem: str, specs: dict[str, dict
 
 
 # ------------------------------------------------------------------------------------------------ the notebook
-def mathjax_macros(path: Path = ROOT / "book" / "macros.yml") -> str:
-    """The book's notation macros as inline ``\\newcommand``s, for Jupyter's and Colab's MathJax."""
-    macros = yaml.safe_load(path.read_text()) or {}
-    defs = []
-    for name, body in macros.items():
-        if isinstance(body, list):
-            defs.append(f"\\newcommand{{\\{name}}}[{body[1]}]{{{body[0]}}}")
-        else:
-            defs.append(f"\\newcommand{{\\{name}}}{{{body}}}")
-    return "$" + "".join(defs) + "$"
+def macro_cell_source() -> str:
+    """The book's macros as ``\\def``s in one formula (KaTeX- and MathJax-safe; ``myst_export.macro_definitions``):
+    for the student's own cells, since every formula of the notebook has the macros expanded already."""
+    return "$" + myst_export.macro_definitions(myst_export.load_macros()) + "$"
+
+
+_SHARED: dict[str, Any] = {}
+
+
+def _shared() -> tuple[myst_export.BookIndex, myst_export.Bibliography]:
+    if not _SHARED:
+        _SHARED["index"], _SHARED["bib"] = myst_export.BookIndex.build(), myst_export.Bibliography()
+    return _SHARED["index"], _SHARED["bib"]
 
 
 def stored_refs(path: Path) -> dict[str, Any]:
@@ -258,16 +265,17 @@ def stored_refs(path: Path) -> dict[str, Any]:
 def student_notebook(nb: nbformat.NotebookNode, stem: str, specs: dict[str, dict[str, Any]], refs: dict[str, Any]) -> dict[str, Any]:
     """The student version of chapter ``nb`` (in stored form)."""
     nb = copy.deepcopy(nb)
-    conv = slides.MystToSlides(ROOT / "notebooks", slides.Bibliography(), nb)
+    index, bib = _shared()
+    conv = myst_export.Exporter(f"notebooks/{stem}", index=index, bib=bib, solutions="hide")
     solutions = gated_solutions(nb)
     owner = {i: label for label, idx in solutions.items() for i in idx}
     first = {idx[0]: label for label, idx in solutions.items() if idx}
     cells = []
     md = nbformat.v4.new_markdown_cell
-    # The first cell defines the notation macros (before any formula uses them: MathJax typesets in order, so a
-    # definition after the chapter's first paragraph left that paragraph's macros undefined) and says what this is.
+    # The first cell defines the notation macros for the student's own cells (every formula below has them expanded
+    # already) and says what this is.
     cells.append(md(
-        mathjax_macros() + "\n\n> **Student version.** The solutions are left out: each exercise with code has a "
+        macro_cell_source() + "\n\n**Student version.** The solutions are left out: each exercise with code has a "
         "`TODO` cell to fill in and a self-check that fails until your answer is right. Generated by "
         f"`tools/student.py` from `notebooks/{stem}.ipynb`; the full chapter is in the book.",
         metadata={"tags": ["student-notation"]}))
