@@ -28,13 +28,15 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS_DIR, compare, ratio_table  # noqa: E402
+from harness import RESULTS_DIR, compare, figure, machine_info, ratio_table  # noqa: E402
 
 from curvlab import conv  # noqa: E402
 from curvlab import deep_linear as dl  # noqa: E402
 
 D_Y = 10
+FRAME_ATTRS: dict = {}
 STATES: list[dict] = []
+FRAME_ATTRS: dict = {}
 
 
 def problem(n: int, c: int, s: int, padding: int, seed: int = 0) -> dict:
@@ -97,16 +99,32 @@ def _write_agreement(table: pd.DataFrame, quick: bool) -> None:
     md = ["**Agreement** (`conv_gn`, " + ("quick" if quick else "full") + " run): κ(GN) of the two-layer linear CNN "
           "at the rank d_y r, dense torch.func GN of the `nn.Conv2d` model vs the Toeplitz/unfold reduced matrix.", "",
           table.to_markdown(index=False, floatfmt=".3g"), ""]
-    (RESULTS_DIR / "conv_gn_agreement.md").write_text("\n".join(md))
-    (RESULTS_DIR / "conv_gn_agreement.json").write_text(
-        json.dumps({"rows": json.loads(table.to_json(orient="records"))}, indent=1) + "\n")
+    from harness import machine_text, write_payload
+    m = machine_info()
+    md.insert(2, f"Machine: {machine_text(m)}. Sizes as in `conv_gn_routes` (n, c, s, padding; p parameters).\n")
+    write_payload("conv_gn_agreement", {"machine": m, "derived_from": "conv_gn_routes",
+                                        "exercised_code": FRAME_ATTRS.get("exercised_code", {}),
+                                        "runs": FRAME_ATTRS.get("runs", []),
+                                        "rows": json.loads(table.to_json(orient="records"))}, "\n".join(md))
+
+
+def _figures(frame: pd.DataFrame) -> dict:
+    r = ratio_table(frame)
+    red = r[(r.variant == "reduced") & (r.threads == 1)]
+    sp = 1 / red["ratio"]
+    mem = 1 / red["mem_ratio"]
+    return {"speedup range threads=1": figure(sp.max(), f"{sp.min():.0f}–{sp.max():.0f}×"),
+            "memory range threads=1": figure(mem.max(), f"{mem.min():.0f}–{mem.max():.0f}×")}
 
 
 def main(quick: bool = False) -> list:
     """Run the benchmark; print and return the ratio table and the agreement table."""
     STATES.clear()
     frame = compare("conv_gn_routes", ROUTES, sizes(quick), setup=problem, repeats=5, warmup=1,
-                    baseline="dense", memory=True, min_time=0.05)
+                    baseline="dense", memory=True, min_time=0.05, fixed={"d_y": D_Y, "input": "8 x 8 images"},
+                    figures=_figures)
+    FRAME_ATTRS.clear()
+    FRAME_ATTRS.update(frame.attrs)
     agree = agreement()
     _write_agreement(agree, quick)
     tables = [ratio_table(frame), agree]

@@ -262,6 +262,9 @@ def lanczos_setup(**size) -> dict:
     return s
 
 
+LANCZOS_ATTRS: dict = {}
+
+
 def _write_agreement(quick: bool) -> pd.DataFrame:
     table = pd.DataFrame(AGREEMENT)
     m = machine_info()
@@ -270,14 +273,15 @@ def _write_agreement(quick: bool) -> pd.DataFrame:
           "*products*: operator applications; *time*: that one call). λ_r is the smallest eigenvalue kept above the "
           f"rank cut (rtol × λ_max); κ = λ_max/λ_r. Lanczos: k = {LANCZOS['k']} per end, tol = {LANCZOS['tol']:g}. "
           "Last row per size: differences relative to λ_max (κ: relative to κ), with the bound the run asserts.", "",
-          f"Machine: {m['cpu_model']}, {m['cores_available']} cores available (torch threads {m['torch_threads']}, "
-          f"load average {m.get('load_average_1min', float('nan')):.2f} at the end), device {m['device']}; "
-          f"{revision_text(m)}; {m['timestamp_utc']}.", "",
+          f"Machine: {m['cpu_model']}, {m['cores_available']} cores available (load average "
+          f"{m.get('load_average_1min', float('nan')):.2f} at the end), device {m['device']}; "
+          f"rev `{m['revision_label']}`; {m['timestamp_utc']}.", "",
           table.to_markdown(index=False, floatfmt=".4g"), ""]
-    (RESULTS_DIR / "model_kappa_agreement.md").write_text("\n".join(md))
-    (RESULTS_DIR / "model_kappa_agreement.json").write_text(json.dumps(
-        {"name": "model_kappa_agreement", "machine": m, "lanczos": LANCZOS,
-         "rows": json.loads(table.to_json(orient="records"))}, indent=1) + "\n")
+    from harness import write_payload
+    write_payload("model_kappa_agreement", {"machine": m, "lanczos": LANCZOS, "derived_from": "model_kappa_lanczos",
+                                            "exercised_code": LANCZOS_ATTRS.get("exercised_code", {}),
+                                            "runs": LANCZOS_ATTRS.get("runs", []),
+                                            "rows": json.loads(table.to_json(orient="records"))}, "\n".join(md))
     return table
 
 
@@ -316,8 +320,10 @@ def main(quick: bool = False) -> list:
     tables.append(ratio_table(frame))
     # one Lanczos kappa takes tens of seconds on one core: the setup's agreement pass is the warm-up
     AGREEMENT.clear()
-    frame = compare("model_kappa_lanczos", LANCZOS_VARIANTS, [large], setup=lanczos_setup, repeats=2 if quick else 3,
-                    warmup=0, baseline="curvlinops")
+    frame = compare("model_kappa_lanczos", LANCZOS_VARIANTS, [large], setup=lanczos_setup, repeats=5,
+                    warmup=0, baseline="curvlinops", threads=(1,) if quick else ("default", 1)[::-1])
+    LANCZOS_ATTRS.clear()
+    LANCZOS_ATTRS.update(frame.attrs)
     tables.append(ratio_table(frame))
     tables.append(_write_agreement(quick))
     return tables

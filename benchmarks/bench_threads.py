@@ -1,0 +1,214 @@
+"""How many CPU threads should a chapter use? One thread against torch's default, measured two ways.
+
+1. **Cold calls** (``thread_cold_calls``). The reduced κ route of a deep linear network (``bench_gn_conditioning``'s
+   general case, d = 16, d_y = 10, L = 3, m = 52: one call takes a few milliseconds) is called once after two idle
+   seconds, ``cold`` times per thread setting, the settings alternated call by call; warm calls (back to back) give
+   the reference. With more OpenMP threads than free cores, a thread of the pool can wait for a core that another job
+   holds, and a millisecond call then takes as long as the scheduler makes it wait. Reported per setting: the median
+   warm and cold call, the slowest cold call, and how many cold calls took more than 100 times the warm median.
+2. **A chapter** (``thread_chapter``): chapter 32 executed in the quick profile (as the book build executes it:
+   ``tools/build_book.py``'s single-notebook executor) with ``CURVLAB_THREADS=1`` and with torch's default thread
+   count (``CURVLAB_THREADS`` = cores available), alternated run by run, each run with a fresh sweep cache and
+   ledger directory (nothing reused between runs).
+
+Both write ``benchmarks/results/<name>.{json,md}`` with the harness's provenance and the load before and after.
+
+    python benchmarks/bench_threads.py            # 10 cold calls per setting; the chapter 5 times per setting
+    python benchmarks/bench_threads.py --quick    # 4 cold calls; the chapter 2 times per setting
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tools"))
+import bench_gn_conditioning as gnc  # noqa: E402
+from harness import (ROOT as HROOT, code_hashes, default_threads, figure, load_average, load_flag,  # noqa: E402
+                     median_interval, trace_code, write_payload)
+
+SIZE = {"d": 16, "d_y": 10, "L": 3, "m": 52}
+CHAPTER = "notebooks/32_gn_conditioning_leaky_relu.ipynb"
+SLOW_FACTOR = 100.0
+
+
+def _settings() -> list[int]:
+    return [1, default_threads()] if default_threads() != 1 else [1]
+
+
+def _run_info(before, after, threads, t0) -> dict:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"threads": threads, "load_before": before, "load_after": after, "wall_s": time.perf_counter() - t0,
+            "cores_available": cores, "flagged": load_flag(before, after, threads, cores)}
+
+
+def cold_calls(cold: int = 10, idle_s: float = 2.0, warm: int = 9) -> dict:
+    state = gnc._setup_general(**SIZE)
+    reduced = gnc.GENERAL["reduced"]
+    previous = torch.get_num_threads()
+    rows, runs = [], []
+    exercised = trace_code(lambda: reduced(state))
+    try:
+        before, t0 = load_average(), time.perf_counter()
+        for k in range(cold):
+            order = _settings() if k % 2 == 0 else _settings()[::-1]
+            for t in order:
+                torch.set_num_threads(t)
+                for _ in range(3):
+                    reduced(state)
+                w = []
+                for _ in range(warm):
+                    s0 = time.perf_counter()
+                    reduced(state)
+                    w.append(time.perf_counter() - s0)
+                time.sleep(idle_s)
+                s0 = time.perf_counter()
+                reduced(state)
+                rows.append({"threads": t, "repeat": k, "cold_s": time.perf_counter() - s0,
+                             "warm_median_s": float(np.median(w))})
+        after = load_average()
+        runs = [_run_info(before, after, t, t0) for t in _settings()]
+    finally:
+        torch.set_num_threads(previous)
+    frame = pd.DataFrame(rows)
+    summary, figures = [], {}
+    for t, g in frame.groupby("threads"):
+        warm_med = float(g["warm_median_s"].median())
+        slow = int((g["cold_s"] > SLOW_FACTOR * warm_med).sum())
+        lo, hi, cov = median_interval(g["cold_s"].to_numpy())
+        row = {"threads": int(t), "calls": len(g), "warm_median_ms": 1e3 * warm_med,
+               "cold_median_ms": 1e3 * float(g["cold_s"].median()), "cold_max_ms": 1e3 * float(g["cold_s"].max()),
+               "cold_interval_ms": [1e3 * lo, 1e3 * hi], "cold_interval_coverage": cov, "slow_calls": slow}
+        summary.append(row)
+        figures[f"warm median threads={t}"] = figure(row["warm_median_ms"], f"{row['warm_median_ms']:.1f} ms")
+        figures[f"cold median threads={t}"] = figure(row["cold_median_ms"], f"{row['cold_median_ms']:.1f} ms")
+        figures[f"cold max threads={t}"] = figure(row["cold_max_ms"], f"{row['cold_max_ms']:.0f} ms")
+        figures[f"slow calls threads={t}"] = figure(slow, f"{slow} of {len(g)}")
+    return {"frame": frame, "summary": summary, "figures": figures, "runs": runs,
+            "exercised_code": code_hashes(sorted(exercised))}
+
+
+def chapter_runs(repeats: int = 5, timeout: int = 900) -> dict:
+    import build_book
+
+    rows = []
+    before, t0 = load_average(), time.perf_counter()
+    for k in range(repeats):
+        order = _settings() if k % 2 == 0 else _settings()[::-1]
+        for t in order:
+            env = {"CURVLAB_THREADS": str(t), "OMP_NUM_THREADS": str(t), "MKL_NUM_THREADS": str(t),
+                   "CURVLAB_PROFILE": "quick", "CURVLAB_BOOK_BUILD": "1", "CURVLAB_PROGRESS": "0"}
+            with tempfile.TemporaryDirectory(prefix="curvlab_threads_") as tmp:
+                env.update(CURVLAB_CACHE_DIR=str(Path(tmp) / "cache"), CURVLAB_LEDGER_DIR=str(Path(tmp) / "ledger"))
+                saved = {k2: os.environ.get(k2) for k2 in env}
+                os.environ.update(env)
+                try:
+                    la = load_average()
+                    _, _, seconds, err = build_book.execute(str(ROOT / CHAPTER), timeout)
+                finally:
+                    for k2, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k2, None)
+                        else:
+                            os.environ[k2] = v
+            rows.append({"threads": t, "repeat": k, "seconds": seconds, "error": err, "load_at_start": la})
+            print(f"chapter 32 quick, {t} thread(s): {seconds:.1f} s" + (f" ERROR {err}" if err else ""), flush=True)
+    after = load_average()
+    frame = pd.DataFrame(rows)
+    summary, figures = [], {}
+    ones = frame[frame.threads == 1].set_index("repeat")["seconds"]
+    for t, g in frame.groupby("threads"):
+        lo, hi, cov = median_interval(g["seconds"].to_numpy())
+        row = {"threads": int(t), "runs": len(g), "median_s": float(g["seconds"].median()),
+               "min_s": float(g["seconds"].min()), "max_s": float(g["seconds"].max()), "interval_s": [lo, hi],
+               "interval_coverage": cov, "errors": int(g["error"].notna().sum())}
+        ratio = (g.set_index("repeat")["seconds"] / ones).to_numpy()
+        rlo, rhi, rcov = median_interval(ratio)
+        row.update(ratio_to_1_thread=float(np.median(ratio)), ratio_interval=[rlo, rhi], ratio_coverage=rcov)
+        summary.append(row)
+        figures[f"median threads={t}"] = figure(row["median_s"], f"{row['median_s']:.0f} s")
+        figures[f"range threads={t}"] = figure(row["max_s"], f"{row['min_s']:.0f}–{row['max_s']:.0f} s")
+        figures[f"ratio threads={t}"] = figure(row["ratio_to_1_thread"], f"{row['ratio_to_1_thread']:.1f}×",
+                                               interval=f"{rlo:.1f}–{rhi:.1f}×" if np.isfinite(rlo) else "–")
+    lib = sorted(str(p.relative_to(HROOT)) for p in (HROOT / "lib" / "curvlab").rglob("*.py")
+                 if "__pycache__" not in p.parts)
+    hashes = code_hashes(lib)
+    hashes[CHAPTER] = hashlib.sha256((ROOT / CHAPTER).read_bytes()).hexdigest()
+    return {"frame": frame, "summary": summary, "figures": figures,
+            "runs": [_run_info(before, after, t, t0) for t in _settings()], "exercised_code": hashes}
+
+
+def _fmt(x, spec):
+    return "–" if x is None or not np.isfinite(x) else format(x, spec)
+
+
+def main(quick: bool = False, parts: str = "cold,chapter") -> list:
+    from harness import runs_text, machine_text, machine_info
+
+    tables = []
+    if "cold" in parts:
+        res = cold_calls(cold=4 if quick else 10)
+        m = machine_info()
+        md = [f"**Benchmark `thread_cold_calls`** — one call of the reduced κ route (d = {SIZE['d']}, d_y = "
+              f"{SIZE['d_y']}, L = {SIZE['L']}, m = {SIZE['m']}) after {2:g} idle seconds, per thread setting, the "
+              "settings alternated; warm = median of 9 back-to-back calls just before; *slow* = a cold call over "
+              f"{SLOW_FACTOR:g} × the warm median.", "",
+              f"Runs: {runs_text(res['runs'])}.", "", f"Machine: {machine_text(m)}.", "",
+              "| threads | cold calls | warm median (ms) | cold median (ms) | interval (ms) | slowest cold (ms) | slow |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in res["summary"]:
+            md.append(f"| {r['threads']} | {r['calls']} | {r['warm_median_ms']:.2f} | {r['cold_median_ms']:.2f} | "
+                      f"{_fmt(r['cold_interval_ms'][0], '.3g')}–{_fmt(r['cold_interval_ms'][1], '.3g')} | "
+                      f"{r['cold_max_ms']:.1f} | {r['slow_calls']} |")
+        write_payload("thread_cold_calls", {
+            "machine": m, "settings": {"size": SIZE, "idle_s": 2.0, "cold_calls": len(res["frame"]) // len(_settings()),
+                                       "threads": _settings(), "slow_factor": SLOW_FACTOR},
+            "runs": res["runs"], "flagged": any(r["flagged"] for r in res["runs"]),
+            "exercised_code": res["exercised_code"], "figures": res["figures"], "summary": res["summary"],
+            "records": res["frame"].to_dict(orient="records")}, "\n".join(md) + "\n")
+        tables.append(pd.DataFrame(res["summary"]))
+    if "chapter" in parts:
+        res = chapter_runs(repeats=2 if quick else 5)
+        m = machine_info()
+        md = ["**Benchmark `thread_chapter`** — chapter 32 (`" + CHAPTER + "`) executed in the quick profile as the "
+              "book build executes it, with `CURVLAB_THREADS` (and `OMP_NUM_THREADS`) = 1 and = the cores available, "
+              "alternated run by run, a fresh sweep cache for every run; ratio = the run's time over the 1-thread "
+              "run of the same repeat (median and order-statistic interval).", "",
+              f"Runs: {runs_text(res['runs'])}; load at the start of each run in the JSON.", "",
+              f"Machine: {machine_text(m)}.", "",
+              "| threads | runs | median (s) | range (s) | ratio to 1 thread | interval | errors |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in res["summary"]:
+            md.append(f"| {r['threads']} | {r['runs']} | {r['median_s']:.1f} | {r['min_s']:.1f}–{r['max_s']:.1f} | "
+                      f"{r['ratio_to_1_thread']:.2f} | {_fmt(r['ratio_interval'][0], '.2f')}–"
+                      f"{_fmt(r['ratio_interval'][1], '.2f')} | {r['errors']} |")
+        write_payload("thread_chapter", {
+            "machine": m, "settings": {"chapter": CHAPTER, "profile": "quick", "repeats": len(res["frame"]) //
+                                       len(_settings()), "threads": _settings()},
+            "runs": res["runs"], "flagged": any(r["flagged"] for r in res["runs"]),
+            "exercised_code": res["exercised_code"], "figures": res["figures"], "summary": res["summary"],
+            "records": res["frame"].to_dict(orient="records")}, "\n".join(md) + "\n")
+        tables.append(pd.DataFrame(res["summary"]))
+    return tables
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--parts", default="cold,chapter", help="cold, chapter or both (comma-separated)")
+    args = parser.parse_args()
+    pd.set_option("display.width", 200)
+    for t in main(args.quick, args.parts):
+        print(t.to_string(index=False))
