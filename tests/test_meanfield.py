@@ -676,3 +676,44 @@ def test_ball_lambda_min_probes_the_ball():
         mf.ball_lambda_min(p, X, "silu", radius=1.0, points=0)
     with pytest.raises(ValueError, match="params0"):
         mf.ball_lambda_min(p.map(lambda t: t[0]), X[0], "silu", radius=1.0)
+
+
+@pytest.mark.parametrize("steps", [(0.2, 0.02, 0.005), (0.4, 0.2, 0.1), (0.02, 0.005, 0.002)])
+@pytest.mark.parametrize("p", [0.5, 1.0, 2.0, 3.7])
+def test_richardson_recovers_order_flow_and_errors(steps, p):
+    h = np.array(steps)
+    M0, C = np.array([0.3, -1.0]), np.array([2.0, 0.5])
+    M = M0[None, :] + C[None, :] * h[:, None] ** p
+    out = mf.richardson(steps, M)
+    assert out.determined.all()
+    np.testing.assert_allclose(out.order, p, rtol=1e-8)
+    np.testing.assert_allclose(out.flow, M0, rtol=1e-8, atol=1e-10)
+    for k in range(3):
+        np.testing.assert_allclose(out[f"error_{k + 1}"], np.abs(C) * h[k] ** p, rtol=1e-7)
+
+
+def test_richardson_ratio_is_monotone_in_the_order():
+    h = np.array([0.2, 0.02, 0.005])
+    p = np.linspace(1e-6, 8, 2000)
+    ratio = (h[0] ** p - h[1] ** p) / (h[1] ** p - h[2] ** p)
+    assert (np.diff(ratio) > 0).all()  # so the fitted order is unique
+
+
+def test_richardson_undetermined_cases_and_bad_input():
+    steps = (0.2, 0.02, 0.005)
+    out = mf.richardson(steps, np.array([[1.0, 1.0, 1.0], [2.0, 1.0, 1.1], [1.0, 0.9, 0.5]]).T)
+    assert not out.determined.any() and out.order.isna().all() and out.flow.isna().all()
+    assert "monotone" in out.reason[0] and "monotone" in out.reason[1]  # d23 = 0, then opposite signs
+    assert "shrink" in out.reason[2]  # differences grow as the step decreases
+    steep = mf.richardson(steps, [0.2**20, 0.02**20, 0.005**20], max_order=8)
+    assert not steep.determined[0] and "above 8" in steep.reason[0]
+    with pytest.raises(ValueError, match="steps"):
+        mf.richardson((0.02, 0.2, 0.005), [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="steps"):
+        mf.richardson((0.2, 0.02), [1.0, 2.0])
+    with pytest.raises(ValueError, match="values"):
+        mf.richardson(steps, [1.0, 2.0])
+    with pytest.raises(ValueError, match="values"):
+        mf.richardson(steps, [1.0, np.nan, 2.0])
+    with pytest.raises(ValueError, match="max_order"):
+        mf.richardson(steps, [1.0, 2.0, 3.0], max_order=0)

@@ -115,6 +115,7 @@ __all__ = [
     "at_step",
     "first_crossing",
     "rank_correlation",
+    "richardson",
     "StepsBracket",
     "gd_divergence_lr",
     "flow_rate",
@@ -153,8 +154,9 @@ GRIDS: dict[str, Any] = {
         "rel_tol": 1e-8,                                                 # the authors' stopping rule
         "floor": 1e-7,                                                   # the authors' damping floor
         "floor_variants": ("floor 1e-7", "floor 1e-10", "relative 1e-7", "undamped"),
-        "eta_flow": 0.02,          # GN runs with eta <= eta_flow are represented by the eta_flow run (checked)
-        "eta_check": (0.2, 0.02, 0.005),  # coarse, flow and fine step of the flow-limit check
+        "eta_flow": 0.02,          # the paper's default GN step; whether it is the flow is checked (chapter 21)
+        "eta_check": (0.02, 0.005, 0.002),  # Richardson triple of the flow-limit check (quick: 0.02, 0.01, 0.005)
+        "flow_rel_error": 0.1,     # "in the flow limit": Richardson error below 10 % of the extrapolated flow value
         "check_fs_time": 1.0,      # function-space time of the flow-limit check
         "eta_large": (0.2, 2.0),   # the paper's lr = 100, 1000 at n = 500
         "match_fs_time": 4.0,      # matched function-space time for the step-size comparison
@@ -1367,6 +1369,63 @@ def first_crossing(history: pd.DataFrame, column: str, threshold: float) -> pd.D
         raise ValueError(f"column must be a column of history, got {column!r}")
     h = history[history[column] <= threshold]
     return h.sort_values(["seed", "step"]).groupby("seed").head(1).reset_index(drop=True)
+
+
+def richardson(steps, values, *, max_order: float = 8.0) -> pd.DataFrame:
+    r"""Richardson extrapolation to the flow limit with a **fitted order** (chapter 21, the flow-limit test).
+
+    For three step sizes :math:`\eta_1>\eta_2>\eta_3` and a metric that behaves like
+    :math:`M(\eta)=M_0+C\eta^p` near the flow (:math:`\eta\to0`), the ratio of successive differences
+
+    .. math:: \rho=\frac{M(\eta_1)-M(\eta_2)}{M(\eta_2)-M(\eta_3)}=\frac{\eta_1^p-\eta_2^p}{\eta_2^p-\eta_3^p}
+
+    fixes the order :math:`p` (for a geometric triple :math:`\eta_{k+1}=\eta_k/q` it is :math:`q^p`); then
+    :math:`C=(M(\eta_2)-M(\eta_3))/(\eta_2^p-\eta_3^p)`, the extrapolated flow value
+    :math:`\hat M_0=M(\eta_3)-C\eta_3^p` and the error of each step :math:`|C|\eta_k^p`. Nothing is assumed about
+    :math:`p` (a first-order allowance would assume :math:`p=1`).
+
+    The order is **undetermined** — ``order``, ``flow`` and the errors are NaN, ``determined`` is False and
+    ``reason`` says why — when the two differences have opposite signs or the second is zero (:math:`\rho\le0`: the
+    metric is not monotone in :math:`\eta`), when they do not shrink as fast as any positive order requires
+    (:math:`\rho` at or below its :math:`p\to0` limit :math:`\ln(\eta_1/\eta_2)/\ln(\eta_2/\eta_3)`), or when
+    the fitted order exceeds ``max_order``.
+
+    ``steps``: three decreasing positive numbers; ``values``: shape ``(3,)`` or ``(3, R)`` (one column per replicate).
+    Returns one row per replicate: ``order``, ``flow``, ``error_1``, ``error_2``, ``error_3``, ``determined``,
+    ``reason``.
+    """
+    from scipy.optimize import brentq
+
+    h = np.asarray(steps, dtype=float).reshape(-1)
+    if h.shape != (3,) or not np.isfinite(h).all() or not (h > 0).all() or not (h[0] > h[1] > h[2]):
+        raise ValueError(f"steps must be three decreasing positive numbers, got {steps!r}")
+    M = np.asarray(values, dtype=float)
+    if M.ndim == 1:
+        M = M[:, None]
+    if M.ndim != 2 or M.shape[0] != 3 or not np.isfinite(M).all():
+        raise ValueError(f"values must be finite with shape (3,) or (3, R), one row per step, got {np.shape(values)}")
+    max_order = check_positive("max_order", max_order)
+    ratio = lambda p: (h[0] ** p - h[1] ** p) / (h[1] ** p - h[2] ** p)
+    low, high = np.log(h[0] / h[1]) / np.log(h[1] / h[2]), ratio(max_order)
+    rows = []
+    for r in range(M.shape[1]):
+        d12, d23 = M[0, r] - M[1, r], M[1, r] - M[2, r]
+        row = {"order": np.nan, "flow": np.nan, "error_1": np.nan, "error_2": np.nan, "error_3": np.nan,
+               "determined": False, "reason": ""}
+        rho = d12 / d23 if d23 != 0 else np.nan
+        if not np.isfinite(rho) or rho <= 0:
+            row["reason"] = "not monotone in the step (the differences change sign)"
+        elif rho <= low:
+            row["reason"] = "the differences do not shrink with the step (no positive order)"
+        elif rho >= high:
+            row["reason"] = f"fitted order above {max_order:g}"
+        else:
+            p = brentq(lambda q: ratio(q) - rho, 1e-9, max_order, xtol=1e-12)
+            C = d23 / (h[1] ** p - h[2] ** p)
+            row.update(order=p, flow=M[2, r] - C * h[2] ** p, determined=True,
+                       **{f"error_{k + 1}": abs(C) * h[k] ** p for k in range(3)})
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def rank_correlation(x, y, *, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
