@@ -562,6 +562,24 @@ def _warn_dirty(machine: Mapping[str, Any], path: Path) -> None:
               f"curvlab from {machine.get('curvlab_path')}); the performance page will refuse it", file=sys.stderr)
 
 
+def auto_figures(ratios: pd.DataFrame) -> dict[str, Any]:
+    """A named figure for every non-baseline row: ``speedup <variant> [<size>] threads=<t>`` (baseline time over the
+    variant's, with the interval) and ``ratio <variant> [<size>] threads=<t>`` (the time ratio itself)."""
+    out = {}
+    for r in ratios.itertuples():
+        if r.variant == r.baseline:
+            continue
+        key = f"{r.variant} [{r.size}] threads={r.threads}"
+        sp = 1 / r.ratio
+        lo = 1 / r.ratio_ci_high if np.isfinite(r.ratio_ci_high) else float("nan")
+        hi = 1 / r.ratio_ci_low if np.isfinite(r.ratio_ci_low) else float("nan")
+        spec = ".0f" if sp >= 10 else ".2g"
+        out[f"speedup {key}"] = figure(sp, f"{format(sp, spec)}×", interval=f"{_fmt(lo, spec)}–{_fmt(hi, spec)}×")
+        out[f"ratio {key}"] = figure(r.ratio, f"{r.ratio:.2f}",
+                                     interval=f"{_fmt(r.ratio_ci_low, '.2f')}–{_fmt(r.ratio_ci_high, '.2f')}")
+    return out
+
+
 def write_results(name: str, frame: pd.DataFrame, *, results_dir: str | Path | None = None) -> tuple[Path, Path]:
     """Write ``<results_dir>/<name>.json`` (protocol, machine, settings, runs, exercised code, figures, raw rows,
     ratios) and ``<name>.md``; return the paths."""
@@ -578,7 +596,7 @@ def write_results(name: str, frame: pd.DataFrame, *, results_dir: str | Path | N
         "runs": runs,
         "flagged": any(r.get("flagged") for r in runs),
         "exercised_code": frame.attrs.get("exercised_code", {}),
-        "figures": frame.attrs.get("figures", {}),
+        "figures": {**auto_figures(ratios), **frame.attrs.get("figures", {})},
         "ratios": json.loads(ratios.to_json(orient="records")),
         "records": json.loads(frame.to_json(orient="records")),
     }
@@ -775,6 +793,11 @@ def write_scaling(name: str, fits: pd.DataFrame, *, results_dir: str | Path | No
                "machine": a["machine"], "settings": a["settings"], "runs": a.get("runs", []),
                "flagged": any(r.get("flagged") for r in a.get("runs", [])),
                "exercised_code": a.get("exercised_code", {}),
+               "figures": {f"exponent {f['variant']}": figure(f["exponent"], _fmt(f["exponent"], ".2f"),
+                                                               interval=f"[{_fmt(f['ci_low'], '.2f')}, "
+                                                                        f"{_fmt(f['ci_high'], '.2f')}]",
+                                                               verdict=f["verdict"])
+                           for f in fits.to_dict(orient="records")},
                "fits": json.loads(fits.to_json(orient="records")),
                "points": json.loads(a["points"].to_json(orient="records"))}
     paths = out / f"{name}.json", out / f"{name}.md", out / f"{name}.png"
