@@ -224,20 +224,40 @@ def test_install_block_fetches_the_data_files_a_chapter_reads():
 
 
 # ------------------------------------------------------------------------------------------------ launch buttons
-def test_colab_button_opens_the_copy_at_the_ref():
+def test_colab_and_binder_buttons_open_the_copy_at_the_ref():
+    """Both launch buttons open the clean copy (which the render tests above check in KaTeX and jupyterlab-myst), at
+    the ref it installs curvlab from; pages without a copy keep the theme's URLs."""
     page = "notebooks/10_linrep_derivations"
     theme = "https://colab.research.google.com/github/o/r/blob/main/notebooks/10_linrep_derivations.ipynb"
-    context = {"header_buttons": [{"type": "group", "buttons": [
-        {"text": "Binder", "url": "https://mybinder.org/v2/gh/o/r/main?urlpath=lab/tree/notebooks/x.ipynb"},
-        {"text": "Colab", "url": theme}]}]}
+    binder = "https://mybinder.org/v2/gh/o/r/main?urlpath=lab/tree/notebooks/10_linrep_derivations.ipynb"
+    context = {"header_buttons": [{"type": "group", "buttons": [{"text": "Binder", "url": binder},
+                                                                {"text": "Colab", "url": theme}]}]}
     app = SimpleNamespace(config=SimpleNamespace(html_theme_options={"repository_branch": "main"},
                                                  curvlab_colab_ref="v1.2.3"))
-    curvlab_launch._point_colab_at_copies(app, page, "page.html", context, None)
+    curvlab_launch._point_buttons_at_copies(app, page, "page.html", context, None)
     buttons = context["header_buttons"][0]["buttons"]
     assert buttons[1]["url"] == ("https://colab.research.google.com/github/o/r/blob/v1.2.3/notebooks/colab/"
                                  "10_linrep_derivations.ipynb")
-    assert buttons[0]["url"].endswith("notebooks/x.ipynb"), "Binder keeps the MyST source (jupyterlab-myst)"
+    assert buttons[0]["url"] == ("https://mybinder.org/v2/gh/o/r/v1.2.3?urlpath=lab/tree/notebooks/colab/"
+                                 "10_linrep_derivations.ipynb")
+    for url in (buttons[0]["url"], buttons[1]["url"]):  # the target exists and is a generated copy
+        target = ROOT / re.search(r"(notebooks/colab/[\w.]+\.ipynb)$", url).group(1)
+        assert json.loads(target.read_text())["metadata"]["curvlab"]["generator"] == "tools/colab.py"
     assert curvlab_launch.colab_url(theme, "book/notation", "main", "v1") == theme
+    assert curvlab_launch.binder_url(binder, "book/notation", "main", "v1") == binder
+
+
+def test_each_script_is_on_a_page_once():
+    """sphinx-thebe's inline configuration script reaches the page twice under Sphinx 7.4 (registry: file name '',
+    builder: None): the second copy is dropped, so the page declares THEBE_JS_URL once."""
+    from sphinx.builders.html._assets import _JavaScript
+
+    body = 'const THEBE_JS_URL = "x"'
+    context = {"script_files": [_JavaScript("a.js"), _JavaScript("", body=body), _JavaScript("a.js"),
+                                _JavaScript(None, body=body), _JavaScript(None, body="other")]}
+    curvlab_launch._dedupe_scripts(None, "p", "page.html", context, None)
+    assert [(s.filename, s.attributes.get("body")) for s in context["script_files"]] == [
+        ("a.js", None), ("", body), (None, "other")]
 
 
 def test_release_workflow_points_the_book_and_the_copies_at_the_tag():
