@@ -314,3 +314,19 @@ def test_kappa_at_rank_compares_spectra_at_the_smallest_rank_of_a_group():
         cv.kappa_at_rank(frame, ["rate"])
     with pytest.raises(ValueError, match="frame must be"):
         cv.kappa_at_rank(frame.drop(columns="eig"), ["seed"])
+
+
+def test_equality_at_s_equals_image_needs_c_at_least_min_dy_r():
+    # s = N, whitened (Sigma_hat a rank-r projection): kappa over the nonzero spectrum equals the bound iff
+    # c >= min(d_y, r); below, the bound's denominator vanishes (cond-prop-conv, chapter 31)
+    N, d_y, g = 4, 5, gen(21)
+    for r, c, equal in ((2, 3, True), (2, 1, False), (4, 5, True), (4, 3, False), (4, 4, True)):
+        U = torch.linalg.qr(torch.randn(N * N, r, dtype=F64, generator=g))[0]
+        K, V = cv.init_weights(c, N, d_y, image=N, generator=g)
+        lam = torch.linalg.eigvalsh(cv.gn_reduced(K, V, U @ U.T, image=N)).flip(0)
+        nz = lam[lam > 1e-10 * lam[0]]
+        bound = float(cv.kappa_bound(K, V, U @ U.T, image=N))
+        if equal:
+            assert len(nz) == d_y * r and float(nz[0] / nz[-1]) == pytest.approx(bound, rel=1e-8)
+        else:
+            assert len(nz) < d_y * r and (bound > 1e12 or math.isinf(bound))

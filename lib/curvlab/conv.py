@@ -35,7 +35,10 @@ and :math:`r = \operatorname{rank}\hat\Sigma`, Weyl's inequalities give the boun
 
     \kappa(H_{\mathrm{GN}}) \le \frac{\sigma_1^2(W) + \sigma_1^2(C_\Sigma)}{\sigma_r^2(W) + \sigma_{d_yr}^2(C_\Sigma)},
 
-with equality when the kernel covers the image (:math:`s = N`: the convolution is a dense layer).
+with equality when the kernel covers the image (:math:`s = N`: the convolution is a dense layer), the inputs are
+whitened (:math:`\hat\Sigma` a projection) and the denominator is positive: for generic weights when
+:math:`c\ge\min(d_y, r)` (with :math:`c<\min(d_y,r)` the bound is infinite and :math:`\kappa` over the nonzero
+spectrum is finite).
 Every tensor may carry leading batch dimensions (one network per seed); spectral work is float64.
 """
 
