@@ -577,6 +577,10 @@ def auto_figures(ratios: pd.DataFrame) -> dict[str, Any]:
         out[f"speedup {key}"] = figure(sp, f"{format(sp, spec)}×", interval=f"{_fmt(lo, spec)}–{_fmt(hi, spec)}×")
         out[f"ratio {key}"] = figure(r.ratio, f"{r.ratio:.2f}",
                                      interval=f"{_fmt(r.ratio_ci_low, '.2f')}–{_fmt(r.ratio_ci_high, '.2f')}")
+        if np.isfinite(r.mem_ratio):
+            out[f"memory {key}"] = figure(r.mem_ratio, f"{r.mem_ratio:.2f}×")
+        out[f"time {key}"] = figure(r.median_time_s, f"{r.median_time_s * 1e3:.3g} ms" if r.median_time_s < 1
+                                    else f"{r.median_time_s:.3g} s")
     return out
 
 
