@@ -528,3 +528,24 @@ def test_finite_sample_functions_refuse_silent_inputs():
     Sxx, _ = one.sample_moments(60, _gen(9))
     assert torch.isfinite(L.kfac_coupling(Sxx.float(), Gs, Z0)).all()
     assert float(L.kfac_noise_bound(Fs, Sig, 1000, 0.1, 0.05)) > 0
+
+
+def test_coupling_direction_is_the_top_singular_pair_not_the_canonical_pair():
+    """The slowest rank-one direction at fixed tan psi maximises |q^T C p|: the top singular pair of the population
+    coupling (issue 23: the canonical pair is a different direction, with a smaller |q^T C p|)."""
+    one = L.linrep_problem(1, d=20, k=3, d_y=6, kappa_x=1000.0, kappa_F=2.0, seed=7)
+    Gs, Sig = one.Gstar[0], one.Sigma[0]
+    u, v, sig = L.coupling_direction(Sig, Gs)
+    C = L.kfac_coupling(Sig, Gs, torch.zeros_like(Gs))
+    assert abs(float(v @ C @ u) - float(sig)) < 1e-10 and abs(float(sig) - float(torch.linalg.matrix_norm(C, ord=2))) < 1e-10
+    assert float((v @ Gs.mT).abs().max()) < 1e-10 and abs(float(u.norm()) - 1) < 1e-12 and abs(float(v.norm()) - 1) < 1e-12
+    p, q, _ = L.canonical_direction(Sig, Gs)
+    assert float((q @ C @ p).abs()) < float(sig) - 0.1                   # 0.60 vs 1.76 here
+    P = torch.randn(500, 3, generator=_gen(3), dtype=torch.float64)
+    Q = torch.randn(500, 20, generator=_gen(4), dtype=torch.float64) @ L.perp_projector(Gs)
+    P, Q = P / P.norm(dim=-1, keepdim=True), Q / Q.norm(dim=-1, keepdim=True)
+    assert float(((Q @ C) * P).sum(-1).abs().max()) <= float(sig) + 1e-12
+    with pytest.raises(ValueError, match="k < d"):
+        L.coupling_direction(torch.eye(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="Sigma must be"):
+        L.coupling_direction(torch.eye(5, dtype=torch.float64), Gs)

@@ -1232,7 +1232,7 @@ def tangent(G, Gstar) -> torch.Tensor:
     r"""The tangent :math:`Z = (GG_\star^\top)^{-1}G\Pi_\perp` ``(..., k, d)`` of :math:`G = A(G_\star + Z)`, with
     :math:`A = GG_\star^\top`: its rows lie in :math:`\operatorname{rowsp}(G_\star)^\perp`, its singular values are the
     tangents of the principal angles, so :math:`\lVert Z\rVert_2 = \tan\psi_{\max}\ge\operatorname{dist}(G, G_\star)`
-    (chapter 10, *A finite-sample guarantee*; :func:`tangent_norm2` is :math:`\lVert Z\rVert_F^2`). ``Gstar`` has
+    (chapter 10, *One step at finite n*; :func:`tangent_norm2` is :math:`\lVert Z\rVert_F^2`). ``Gstar`` has
     orthonormal rows. Raises a ValueError when :math:`GG_\star^\top` is singular (an angle of 90 degrees)."""
     tangent_norm2(G, Gstar)                                    # validates, and refuses a singular G Gstar^T
     G = as_tensor("G", G, dtype=torch.float64)
@@ -1242,8 +1242,8 @@ def tangent(G, Gstar) -> torch.Tensor:
 
 
 def kfac_coupling(Sxx, Gstar, Z) -> torch.Tensor:
-    r"""The batch coupling :math:`\hat B = \Pi_\perp\hat\Sigma W^\top(G_\star\hat\Sigma W^\top)^{-1}` ``(..., d, k)``
-    at the normalised representation :math:`W = G_\star + Z` (chapter 10, *A finite-sample guarantee*).
+    r"""The batch coupling :math:`\hat{\mathcal C} = \Pi_\perp\hat\Sigma W^\top(G_\star\hat\Sigma W^\top)^{-1}` ``(..., d, k)``
+    at the normalised representation :math:`W = G_\star + Z` (chapter 10, *One step at finite n*).
 
     At :math:`Z = 0` it is :math:`\Pi_\perp\hat\Sigma G_\star^\top(G_\star\hat\Sigma G_\star^\top)^{-1}`, the
     least-squares coefficient of the :math:`\perp` coordinates of :math:`x` on its :math:`\parallel` coordinates in
@@ -1262,10 +1262,10 @@ def kfac_coupling(Sxx, Gstar, Z) -> torch.Tensor:
 
 def kfac_forcing(Z, Gstar, Sxx, Syx) -> torch.Tensor:
     r"""The noise term :math:`P = H^+\hat W\Pi_\perp` ``(..., k, d)`` of one K-FAC step with the head re-fitted on
-    the same batch (chapter 10, *A finite-sample guarantee*): :math:`\hat W = \hat\Sigma_{yx}\hat\Sigma^{-1}` is the
+    the same batch (chapter 10, *One step at finite n*): :math:`\hat W = \hat\Sigma_{yx}\hat\Sigma^{-1}` is the
     batch's least-squares map :math:`F_\star G_\star + \Xi` and :math:`H` the least-squares head of the normalised
     representation :math:`W = G_\star + Z` on the batch. Zero without label noise; to first order in
-    :math:`\sigma_\varepsilon` it is :math:`(I + Z\hat B)F_\star^+\Xi\Pi_\perp`."""
+    :math:`\sigma_\varepsilon` it is :math:`(I + Z\hat{\mathcal C})F_\star^+\Xi\Pi_\perp`."""
     Z, Gstar, Sxx = _tangent_inputs(Z, Gstar, Sxx)
     Syx = check_finite("Syx", as_tensor("Syx", Syx, dtype=torch.float64))
     if Syx.dim() < 2 or Syx.shape[-1] != Gstar.shape[-1]:
@@ -1280,10 +1280,10 @@ def kfac_forcing(Z, Gstar, Sxx, Syx) -> torch.Tensor:
 def kfac_tangent_step(Z, P, B, eta) -> torch.Tensor:
     r"""The exact tangent map of one K-FAC step (re-fitted head, :math:`\lambda_F=\lambda_G=0`; chapter 10):
 
-    .. math:: Z_{+} = \big[I_k + \eta_G(Z - P)\hat B\big]^{-1}\big[(1-\eta_G)Z + \eta_G P\big],
+    .. math:: Z_{+} = \big[I_k + \eta_G(Z - P)\hat{\mathcal C}\big]^{-1}\big[(1-\eta_G)Z + \eta_G P\big],
 
     with ``Z (..., k, d)`` the tangent (:func:`tangent`), ``P (..., k, d)`` the noise term (:func:`kfac_forcing`)
-    and ``B (..., d, k)`` the coupling (:func:`kfac_coupling`). ``eta`` a number in (0, 1] or a per-row tensor."""
+    and ``B (..., d, k)`` the coupling :math:`\hat{\mathcal C}` (:func:`kfac_coupling`). ``eta`` a number in (0, 1] or a per-row tensor."""
     Z = check_finite("Z", as_tensor("Z", Z, dtype=torch.float64))
     P = check_finite("P", as_tensor("P", P, dtype=torch.float64))
     B = check_finite("B", as_tensor("B", B, dtype=torch.float64))
@@ -1299,8 +1299,8 @@ def kfac_tangent_step(Z, P, B, eta) -> torch.Tensor:
 
 
 def kfac_one_step_bound(tau, forcing, coupling, eta) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The one-step guarantee of chapter 10's finite-sample theorem: with :math:`\tau = \tan\psi_{\max}(G_t)`,
-    :math:`p = \lVert P_t\rVert_2` (``forcing``) and :math:`b = \lVert\hat B_t\rVert_2` (``coupling``), the locality
+    r"""The one-step guarantee of chapter 10's one-step theorem (deterministic, given the batch): with :math:`\tau = \tan\psi_{\max}(G_t)`,
+    :math:`p = \lVert P_t\rVert_2` (``forcing``) and :math:`b = \lVert\hat{\mathcal C}_t\rVert_2` (``coupling``), the locality
     :math:`\beta = (\tau + p)\,b`, and where :math:`\beta<1`
 
     .. math:: \tau_{t+1}\le\big(1-(1-\beta)\eta_G\big)\tau + \frac{\eta_G\,p}{1-\beta}.
@@ -1421,16 +1421,16 @@ __all__ += ["replicas"]
 
 def kfac_ratio_spread(Sigma, Gstar, u, v, s, eta, n: int) -> torch.Tensor:
     r"""Predicted batch-to-batch standard deviation of noiseless K-FAC's one-step ratio
-    :math:`\tau_{t+1}/\tau_t = (1-\eta_G)/\lvert1+\eta_G s\,v^\top\hat Bu\rvert` at a rank-one tangent
+    :math:`\tau_{t+1}/\tau_t = (1-\eta_G)/\lvert1+\eta_G s\,v^\top\hat{\mathcal C}u\rvert` at a rank-one tangent
     :math:`Z = s\,uv^\top` (chapter 10), for Gaussian inputs, to first order in :math:`s` and in the batch fluctuation:
 
     .. math:: \operatorname{sd} = \frac{(1-\eta_G)\,\eta_G\lvert s\rvert}{(1+\eta_G s\,b)^2}
               \sqrt{\frac{(v^\top S v)\,(u^\top\Sigma_{\parallel\parallel}^{-1}u)}{n-k-1}},
 
-    with :math:`b = v^\top Bu` the population coupling at :math:`Z = 0`, :math:`S = (\Pi_\perp\Sigma^{-1}
+    with :math:`b = v^\top\mathcal C u` the population coupling at :math:`Z = 0`, :math:`S = (\Pi_\perp\Sigma^{-1}
     \Pi_\perp)^+` the Schur complement (as a :math:`d\times d` matrix on :math:`\operatorname{rowsp}(G_\star)^\perp`)
     and :math:`\Sigma_{\parallel\parallel} = G_\star\Sigma G_\star^\top`: the batch regression coefficient
-    :math:`v^\top\hat B u` of the :math:`\perp` coordinates on the :math:`\parallel` ones has conditional variance
+    :math:`v^\top\hat{\mathcal C} u` of the :math:`\perp` coordinates on the :math:`\parallel` ones has conditional variance
     :math:`(v^\top Sv)\,u^\top(X_\parallel^\top X_\parallel)^{-1}u`, whose mean is the above (inverse Wishart).
     ``u (..., k)`` and ``v (..., d)`` unit vectors, ``v`` in :math:`\operatorname{rowsp}(G_\star)^\perp`.; ``n`` an integer or
     a tensor of them (broadcast)."""
@@ -1469,13 +1469,16 @@ __all__ += ["kfac_ratio_spread"]
 
 
 def canonical_direction(Sigma, Gstar) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""The rank-one tangent direction :math:`uv^\top` along which noiseless K-FAC contracts slowest per step
-    (chapter 10): the top canonical pair between the :math:`\parallel` coordinates :math:`G_\star x` and the
-    :math:`\perp` coordinates of :math:`x`. Returns ``(u (..., k), v (..., d), rho (...))``, unit vectors with
+    r"""The top canonical pair between the :math:`\parallel` coordinates :math:`G_\star x` and the :math:`\perp`
+    coordinates of :math:`x` (chapter 10): the rank-one tangent direction :math:`uv^\top` of largest *correlation*.
+    It is **not** the direction along which noiseless K-FAC contracts slowest at a fixed :math:`\tan\psi`: that is
+    the top singular pair of the coupling, :func:`coupling_direction` (the per-step ratio is
+    :math:`(1-\eta_G)/\lvert1+\eta_G s\,v^\top\mathcal C u\rvert` at :math:`Z = s\,uv^\top`, largest when
+    :math:`\lvert v^\top\mathcal C u\rvert = \sigma_{\max}(\mathcal C)`). Returns ``(u (..., k), v (..., d), rho (...))``, unit vectors with
     ``v`` in :math:`\operatorname{rowsp}(G_\star)^\perp`, :math:`u\propto\Sigma_{\parallel\parallel}w` for the
     canonical weight :math:`w`, and the top canonical correlation :math:`\rho\le(\kappa(\Sigma)-1)/(\kappa(\Sigma)+1)`
-    (Wielandt), so that :math:`v^\top Bu>0` for the population coupling :math:`B` (:func:`kfac_coupling` at
-    :math:`Z = 0`)."""
+    (Wielandt), so that :math:`v^\top\mathcal C u>0` for the population coupling :math:`\mathcal C` (:func:`kfac_coupling`
+    at :math:`Z = 0`)."""
     Sigma = check_psd("Sigma", Sigma, strict=True, dtype=torch.float64)
     Gstar = check_matrix("Gstar", Gstar, batch=True, dtype=torch.float64)
     k, d = Gstar.shape[-2:]
@@ -1500,3 +1503,28 @@ def canonical_direction(Sigma, Gstar) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 __all__ += ["canonical_direction"]
+
+
+def coupling_direction(Sigma, Gstar) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The rank-one tangent direction along which noiseless K-FAC contracts slowest per step at a fixed
+    :math:`\tan\psi` (chapter 10): the top singular pair of the population coupling :math:`\mathcal C`
+    (:func:`kfac_coupling` at :math:`Z = 0`, a :math:`d\times k` matrix). To first order in :math:`s`, the step from
+    :math:`Z = s\,uv^\top` (unit :math:`u\in\mathbb R^k`, unit :math:`v\perp\operatorname{rowsp}G_\star`,
+    :math:`\tan\psi = \lvert s\rvert`) has ratio :math:`(1-\eta_G)/\lvert1+\eta_G s\,v^\top\mathcal C u\rvert`,
+    and :math:`\max_{u,v}\lvert v^\top\mathcal C u\rvert = \sigma_{\max}(\mathcal C)`, attained at the top
+    singular pair (with :math:`s<0`). Returns ``(u (..., k), v (..., d), sigma (...))``, unit vectors signed so that
+    :math:`v^\top\mathcal C u = \sigma_{\max}(\mathcal C) > 0`; ``v`` lies in :math:`\operatorname{rowsp}(G_\star)^\perp`
+    (the columns of :math:`\mathcal C` do). Compare :func:`canonical_direction`, the direction of largest correlation."""
+    Sigma = check_psd("Sigma", Sigma, strict=True, rtol=1e-6, dtype=torch.float64)
+    Gstar = check_matrix("Gstar", Gstar, batch=True, dtype=torch.float64)
+    k, d = Gstar.shape[-2:]
+    if Sigma.shape[-2:] != (d, d):
+        raise ValueError(f"Sigma must be ({d}, {d}) for Gstar of shape {tuple(Gstar.shape)}, got {tuple(Sigma.shape)}")
+    if k >= d:
+        raise ValueError(f"Gstar must have k < d rows (rowsp(Gstar)^perp is empty otherwise), got shape {tuple(Gstar.shape)}")
+    C = kfac_coupling(Sigma, Gstar, torch.zeros_like(Gstar))       # (..., d, k); validates Gstar
+    U, sv, Vh = torch.linalg.svd(C, full_matrices=False)
+    return Vh[..., 0, :], U[..., :, 0], sv[..., 0]                  # v^T C u = U[:, 0]^T C Vh[0] = sigma_max > 0
+
+
+__all__ += ["coupling_direction"]
