@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,10 +62,6 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 #: (file name, a substring of the offending sentence, why the sentence is right). Keep it short.
 ALLOWED: list[tuple[str, str, str]] = [
-    ("performance.md", "what grows faster is not measured here",
-     "a benchmark page: says what was *not* measured (a timing growth); no ledger effect"),
-    ("performance.md", "No stall of tenths of a second was reproduced",
-     "a benchmark page: 'reproduced' in its everyday sense, about a timing stall; no ledger verdict"),
 ]
 
 DROP_DIRECTIVES = {"curvlab-case", "curvlab-ledger", "curvlab-status", "literalinclude", "code-cell", "code-block",
@@ -286,12 +283,17 @@ def test_a_planted_markdown_cell_fails_a_notebook(tmp_path):
 
 def test_allow_list_entries_are_needed_and_explained(monkeypatch):
     """Every allow-list entry names a file that exists, has a reason, and is needed: without the list, a sentence it
-    matches would be flagged."""
+    matches would be flagged (an entry whose sentence is gone only warns, so that another page's edit does not fail
+    here)."""
     monkeypatch.setattr(sys.modules[__name__], "ALLOWED", [])
     for file, sub, why in list(_ALLOWED_AT_IMPORT):
         path = ROOT / "book" / file if file.endswith(".md") else ROOT / "notebooks" / file
         assert path.exists(), file
         assert len(why) > 20, f"{file}: give the reason for allowing {sub!r}"
+        text = notebook_markdown(path) if path.suffix == ".ipynb" else path.read_text()
+        if not any(sub in s for s in sentences(text)):  # the page changed: say so, without failing another's edit
+            warnings.warn(f"{file}: allow-list entry {sub!r} matches no sentence any more (remove it)")
+            continue
         flagged = [f.sentence for f in check_file(path)]
         assert any(sub in s for s in flagged), f"{file}: allow-list entry {sub!r} is not needed (remove it)"
 

@@ -22,7 +22,8 @@
       :inconclusive: Markdown for an inconclusive one.
       :::
 
-  (``:passed:``/``:failed:`` for a derived check). Each option is parsed as MyST Markdown (math, roles, links);
+  (``:passed:``/``:failed:`` for a derived check). Each option is one line, parsed as MyST Markdown (math, roles,
+  links; MyST reads `` #`` in an option as the start of a comment);
   only the text of the recorded verdict is kept. A case on a claim must give all three claim verdicts (another
   profile may give another one). A reference to a record the build does not have, or a missing text for the
   recorded verdict, is a warning (an error of the strict build).
