@@ -19,6 +19,14 @@ with :math:`\ell = \frac12\lVert f - y\rVert^2` (``loss="mse"``, :math:`\Lambda_
 :math:`\pi_i = \operatorname{softmax} f_\theta(x_i)`, :math:`S_i = \operatorname{diag}(\sqrt{\pi_i}) - \pi_i\sqrt{\pi_i}^\top`).
 The kernel :math:`K = \tilde J\tilde J^\top` (``nc x nc``) has the nonzero eigenvalues of :math:`nH_{\mathrm{GN}}`.
 For cross-entropy :math:`S_i\sqrt{\pi_i} = 0`, so :math:`\operatorname{rank} K \le n(c-1)`: the rank cut matters.
+Also: per-token cross-entropy on outputs ``(n, T, classes)`` (:math:`\Lambda_i` block diagonal over the tokens) and
+``loss="bce"`` on logits (:math:`\Lambda_i = \operatorname{diag}(\sigma_i(1-\sigma_i))`).
+
+**Scaling.** With ``reduction="mean"`` the summed loss is divided by ``norm``, the number of terms torch's ``"mean"``
+averages for cross-entropy (:math:`n`, per token :math:`nT`) and BCE (:math:`nc`), and by :math:`n` for the book's
+MSE; ``"sum"`` divides by 1. Everywhere below, :math:`n` in a normalisation stands for ``norm``
+(:math:`H_{\mathrm{GN}} = \tilde J^\top\tilde J/\texttt{norm}`). torch's ``MSELoss()`` is :math:`\frac2c` times the
+book's MSE; :func:`torch_loss` gives the torch loss and the factor for curvlinops or BackPACK.
 
 **Units** (notation page, ``notation-units``): ``lam_GN`` is added to the averaged :math:`H_{\mathrm{GN}}`, i.e.
 :math:`n\lambda_{\mathrm{GN}}` to :math:`K`; :func:`gn_step` returns
@@ -32,8 +40,9 @@ held fixed at their current values (they are constants of :math:`f_\theta`). Bat
 running statistics are used and :math:`f_\theta(x_i)` depends on :math:`x_i` alone (recommended); in **train** mode the
 statistics of each data chunk are used, so :math:`f_\theta` couples the samples of a chunk and the curvature is that
 of this coupled function (the chunk is then part of the model: results depend on ``chunk_size``). The module's own
-running statistics are never updated by this module in either mode. Put dropout (and any other random layer) in
-eval mode: a random function has no Gauss–Newton matrix to compute.
+running statistics are never updated by this module in either mode; train-mode batch norm is warned about by
+name. Dropout (and any random layer, or a random forward pass) in training mode is refused: a random function has no
+Gauss–Newton matrix to compute. ``params=`` chooses a subset of the parameters as :math:`\theta`.
 
 **Routes.** Products (:func:`ggn_vector_product`) use one JVP and one VJP per data chunk and never form
 :math:`J`; :func:`ggn_matrix` and :func:`kernel_matrix` form :math:`\tilde J` (``nc x p``, memory :math:`O(ncp)`);
@@ -41,9 +50,17 @@ eval mode: a random function has no Gauss–Newton matrix to compute.
 :math:`\tilde J` fits in ``dense_max_entries``) and otherwise Lanczos
 (:func:`scipy.sparse.linalg.eigsh` on a :class:`scipy.sparse.linalg.LinearOperator`) on the smaller of
 :math:`H_{\mathrm{GN}}` and :math:`K/n`. :func:`kfac_factors` gives K-FAC's exact (type-2) Kronecker factors of every
-``nn.Linear`` and ``nn.Conv2d`` (expand convention); :func:`kfac_block_errors` the relative Frobenius distance between
-:math:`C_{\mathrm{out}}\otimes C_{\mathrm{in}}` and the exact diagonal block of :math:`H_{\mathrm{GN}}`.
-Cross-checked against curvlinops and BackPACK in ``tests/test_model.py``.
+``nn.Linear`` and ``nn.Conv2d`` (expand convention; other layers are named in a warning, shared parameters and
+layers with no path to the output refused); :func:`kfac_block_errors` the relative Frobenius distance between
+:math:`C_{\mathrm{out}}\otimes C_{\mathrm{in}}` (or any operator's diagonal block) and the exact diagonal block of
+:math:`H_{\mathrm{GN}}`. :func:`condition` computes dense spectra in float64 by default, warns
+(:class:`RankCutWarning`) when the gap at the cut is below 10, and runs Lanczos from a seeded start within a budget,
+reporting the rank only where it measured it.
+
+**Operators.** :func:`ggn_operator`, :func:`kernel_operator`, :func:`ggn_inverse_operator` and :func:`kfac_operator`
+(with its damped inverse) follow curvlinops 3's operator interface (:class:`CurvatureOperator`, ``.to_scipy()``);
+:func:`condition_of`, :func:`kfac_block_errors` and :func:`gn_step` (``jac_op=``) accept curvlinops' operators.
+Cross-checked against curvlinops and BackPACK in ``tests/test_model.py`` and ``tests/test_model_operators.py``.
 """
 
 from __future__ import annotations
