@@ -1,7 +1,8 @@
 """The PDF handout (``make pdf``, ``tools/pdf.py``): notation macros that XeLaTeX accepts, a bibliography, captions.
 
-The last test builds one chapter's handout (chapter 00, the quickest that has citations, theorem blocks and a
-figure) in the quick profile and reads its text back with ``pdftotext``; it and the XeLaTeX macro test skip, with
+The last tests build one chapter's handout (chapter 00, the quickest that has citations, theorem blocks, a figure and
+the setup cell's HTML badge) with the deviations page (the widest table) in the quick profile and read its text and
+XeLaTeX's log back; it and the XeLaTeX macro test skip, with
 the reason, where XeLaTeX (``tools/install_tex.sh``) or poppler-utils is missing.
 """
 
@@ -120,18 +121,19 @@ def handout(tmp_path_factory):
     out = tmp_path_factory.mktemp("pdf")
     env = {**os.environ, "CURVLAB_PROFILE": "quick"}
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "pdf.py"), "--profile", "quick", "--out", str(out),
-                          CHAPTER], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          CHAPTER, "book/deviations"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"tools/pdf.py {CHAPTER} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     path = out / f"{pdf.TEXNAME}.pdf"
     assert path.is_file() and path.stat().st_size > 10_000
     text = subprocess.run(["pdftotext", str(path), "-"], capture_output=True, text=True, check=True).stdout
-    return path, text, (out / "latex" / f"{pdf.TEXNAME}.tex").read_text()
+    log = (out / "latex" / f"{pdf.TEXNAME}.log").read_text(errors="replace")
+    return path, text, (out / "latex" / f"{pdf.TEXNAME}.tex").read_text(), log
 
 
 def test_chapter_handout_has_its_bibliography(handout):
     from pybtex.database import parse_file
 
-    _, text, _ = handout
+    _, text, _, _ = handout
     flat = _words(text)
     keys, _ = _chapter_facts()
     assert keys, f"{CHAPTER} cites nothing: pick a chapter with citations"
@@ -150,7 +152,7 @@ def test_chapter_handout_has_its_bibliography(handout):
 
 
 def test_chapter_handout_has_theorem_blocks_and_figure_captions(handout):
-    _, text, tex = handout
+    _, text, tex, _ = handout
     flat = _words(text)
     _, captions = _chapter_facts()
     assert captions, f"{CHAPTER} has no figure: pick a chapter with one"
@@ -171,3 +173,59 @@ def test_chapter_handout_has_theorem_blocks_and_figure_captions(handout):
     # lookup wrote "None:<label>" for chapters whose title has markup, and those references printed "??").
     labels = re.findall(r"\\label\{([^}:]*):(?:lem|cor|prop|thm)-[^}]*\}", tex)
     assert labels and set(labels) == {f"notebooks/{CHAPTER}"}, f"theorem labels name {sorted(set(labels))}"
+
+
+def test_handout_has_no_object_repr_missing_glyph_or_overfull_table(handout):
+    """Every rich output printed in a LaTeX or plain form (no "<... object>"), every glyph found (no "Missing
+    character" in XeLaTeX's log), every table within the text width (no overfull alignment, no cell line past its
+    column), the deviations table with its Status column."""
+    _, text, tex, log = handout
+    found = pdf.handout_problems(log, text, tex)
+    assert found == {"object reprs": [], "missing glyphs": [], "overfull tables": []}, found
+    assert re.search(r"Item\s+Pa-?\s*per\s+In short\s+Status\s+Check in", text), "the deviations table lost a column"
+
+
+# ------------------------------------------------------------------------------------------------ rich outputs, fonts
+def test_rich_outputs_without_a_printable_form_become_tables_and_text():
+    pd = pytest.importorskip("pandas")
+    from IPython.display import HTML
+
+    styler = pd.DataFrame({"check": ["Stein's lemma", "a_b::c"], "verdict": ["✔ reproduced", "✘ not reproduced"]}).style
+    assert pdf.OBJECT_REPR.fullmatch(repr(styler)) and pdf.OBJECT_REPR.fullmatch(repr(HTML("<b>x</b>")))
+    assert not pdf.OBJECT_REPR.fullmatch("   check  verdict\n0  a  b")
+    (table,) = pdf.html_to_nodes(styler.to_html())
+    rows = [[e.astext() for e in r.children] for r in table.findall(lambda n: n.tagname == "row")]
+    assert rows[0][1:] == ["check", "verdict"] and rows[2][1:] == ["a_b::c", "✘ not reproduced"]
+    badge = pdf.html_to_nodes('<style>.x{}</style><div><b>curvlab</b> 0.1 | profile=<code>quick</code></div>')
+    assert [n.astext() for n in badge] == ["curvlab 0.1 | profile=quick"]
+
+
+def test_handout_problems_are_detected():
+    log = ("Missing character: There is no ✘ (U+2718) in font FreeSerif:mode=node;script=latn;language=dflt;!\n"
+           "Overfull \\hbox (12.5pt too wide) in alignment at lines 10--20\n"
+           "Overfull \\hbox (8.0pt too wide) in paragraph at lines 31--32\n"
+           "Overfull \\hbox (0.5pt too wide) in paragraph at lines 33--34\n"
+           "Overfull \\hbox (9.0pt too wide) in paragraph at lines 90--91\n")
+    tex = "\n" * 29 + "\\begin{longtable}{ll}\n" + "x\n" * 10 + "\\end{longtable}\n"
+    found = pdf.handout_problems(log, "a <pandas.io.formats.style.Styler at 0x7f3a2b1c> b", tex)
+    assert found["object reprs"] == ["<pandas.io.formats.style.Styler at 0x7f3a2b1c>"]
+    assert found["missing glyphs"] == ["✘ (U+2718)"]
+    assert found["overfull tables"] == ["12.5pt", "8.0pt at lines 31"]
+
+
+@needs_xelatex
+def test_glyphs_the_fonts_lack_come_from_the_fallback(tmp_path):
+    if pdf.font_file(pdf.FALLBACK_FONT) is None or pdf.font_file(pdf.MAIN_FONTS["main"]) is None:
+        pytest.skip("FreeFont or DejaVu is not installed (tools/install_tex.sh, tools/ci_packages.sh)")
+    body = "Marks ✘ ✔ ★, $W^ᵀ$ and Wᵀ, $A \\odot B$, ⊙, ‖x‖ and κ."
+    tex = ("\\documentclass{article}\n\\usepackage{amsmath}\n\\usepackage{fontspec}\n\\usepackage{unicode-math}\n"
+           "\\setmainfont{FreeSerif}\\setsansfont{FreeSans}\\setmonofont{FreeMono}\n"
+           f"\\begin{{document}}\n{body}\n\\texttt{{{body}}}\n\\end{{document}}\n")
+    source, missing = pdf.font_fallbacks(tex)
+    assert not missing and "\\newunicodechar{✘}" in source
+    (tmp_path / "g.tex").write_text(source)
+    run = subprocess.run(["xelatex", "-interaction=nonstopmode", "-halt-on-error", "g.tex"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, [ln for ln in run.stdout.splitlines() if ln.startswith("!")][:3]
+    log = (tmp_path / "g.log").read_text(errors="replace")
+    assert "Missing character" not in log, re.findall(r"Missing character: There is no (\S+)", log)

@@ -16,7 +16,13 @@ is also the quick way to try it.
 * **Outputs** come from the book's execution cache (same key as ``make book``), so after ``make book`` nothing
   re-executes; otherwise the notebooks run first, ``--jobs`` at a time.
 * **What the book keeps in print** (Sphinx post-transforms, :func:`setup_handout`): each figure's caption
-  (``FigureCaptions``), a References list per chapter (``ReferenceLists``), proofs as text (``PlainProofs``).
+  (``FigureCaptions``), a References list per chapter (``ReferenceLists``), proofs as text (``PlainProofs``), an
+  output whose only printable form was its repr (a pandas ``Styler``, the setup cell's HTML badge) as a table or
+  text (``RichOutputs``), every table within the text width in a smaller font (``TableWidths``).
+* **Glyphs**: characters FreeSerif/FreeSans/FreeMono lack (✘, ᵀ, ★ ...) are set in DejaVu Sans
+  (:func:`font_fallbacks`, ``newunicodechar``); after the run, :func:`handout_problems` reports object reprs,
+  XeLaTeX's "Missing character" lines and overfull tables (``tests/test_pdf.py`` requires none).
+* **Pages** as well as chapters: ``tools/pdf.py 00 book/deviations``.
 * **A lost bibliography fails the build** (exit code 3): a bibliography file that cannot be read or a missing key
   (Sphinx's warnings), no formatted reference in the LaTeX source, or, where ``pdftotext`` is installed, no
   References section with entries in the PDF, while the chapters cite.
@@ -35,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import time
+from html.parser import HTMLParser
 from pathlib import Path
 
 import yaml
@@ -229,11 +236,304 @@ class PlainProofs:
         app.add_post_transform(Transform)
 
 
+#: A text/plain representation that only names an object (a pandas Styler, IPython's HTML): what printed in the PDF
+#: where the rich output had no LaTeX form.
+OBJECT_REPR = re.compile(r"<[\w.]+(?: object)?(?: at 0x[0-9a-fA-F]+)?>")
+
+
+class _HTMLToBlocks(HTMLParser):
+    """HTML as blocks: ("table", header rows, body rows) and ("text", paragraph); styles and scripts skipped."""
+
+    BLOCK = {"p", "div", "br", "li", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "details", "summary", "caption"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.blocks: list[tuple] = []
+        self._skip = 0
+        self._text: list[str] = []
+        self._table: dict | None = None
+        self._row: list[str] | None = None
+        self._cell: list[str] | None = None
+        self._in_head = False
+
+    def _flush_text(self) -> None:
+        text = " ".join("".join(self._text).split())
+        if text:
+            self.blocks.append(("text", text))
+        self._text = []
+
+    def handle_starttag(self, tag, attrs) -> None:
+        if tag in ("style", "script"):
+            self._skip += 1
+        elif tag == "table":
+            self._flush_text()
+            self._table = {"head": [], "body": [], "caption": ""}
+        elif self._table is not None and tag == "thead":
+            self._in_head = True
+        elif self._table is not None and tag == "tr":
+            self._row = []
+        elif self._row is not None and tag in ("td", "th"):
+            self._cell = []
+            span = dict(attrs).get("colspan")
+            self._span = int(span) if span and span.isdigit() else 1
+        elif tag in self.BLOCK and self._table is None:
+            self._flush_text()
+
+    def handle_endtag(self, tag) -> None:
+        if tag in ("style", "script"):
+            self._skip = max(0, self._skip - 1)
+        elif self._cell is not None and tag in ("td", "th"):
+            self._row.append(" ".join("".join(self._cell).split()))
+            self._row.extend([""] * (self._span - 1))
+            self._cell = None
+        elif self._row is not None and tag == "tr":
+            (self._table["head"] if self._in_head else self._table["body"]).append(self._row)
+            self._row = None
+        elif self._table is not None and tag == "thead":
+            self._in_head = False
+        elif tag == "table" and self._table is not None:
+            self.blocks.append(("table", self._table["head"], self._table["body"]))
+            self._table = None
+        elif tag in self.BLOCK and self._table is None:
+            self._flush_text()
+
+    def handle_data(self, data) -> None:
+        if self._skip:
+            return
+        if self._cell is not None:
+            self._cell.append(data)
+        elif self._table is None:
+            self._text.append(data)
+
+    def close(self) -> None:
+        super().close()
+        self._flush_text()
+
+
+def html_to_nodes(text: str) -> list:
+    """docutils nodes for an HTML output: each ``<table>`` a table (the LaTeX writer escapes and sets it), the rest
+    paragraphs of plain text."""
+    from docutils import nodes
+
+    parser = _HTMLToBlocks()
+    parser.feed(text)
+    parser.close()
+    out = []
+    for block in parser.blocks:
+        if block[0] == "text":
+            out.append(nodes.paragraph("", block[1]))
+            continue
+        _, head, body = block
+        rows = [r for r in head + body if any(c.strip() for c in r)]
+        if not rows:
+            continue
+        ncols = max(len(r) for r in rows)
+        table = nodes.table(classes=["curvlab-rich-output"])
+        group = nodes.tgroup(cols=ncols)
+        table += group
+        for _ in range(ncols):
+            group += nodes.colspec(colwidth=1)
+
+        def row(cells):
+            return nodes.row("", *[nodes.entry("", nodes.paragraph("", c)) for c in cells + [""] * (ncols - len(cells))])
+
+        head = [r for r in head if any(c.strip() for c in r)]
+        if head:
+            group += nodes.thead("", *[row(r) for r in head])
+        group += nodes.tbody("", *[row(r) for r in body if any(c.strip() for c in r)])
+        out.append(table)
+    return out
+
+
+class RichOutputs:
+    """Sphinx post-transform (LaTeX builder): an output whose only printable form is HTML gets a LaTeX one.
+
+    MyST-NB prints the ``text/plain`` form of an output for LaTeX; for a pandas ``Styler`` or IPython's ``HTML`` (the
+    setup cell's badges) that is ``<pandas.io.formats.style.Styler at 0x...>`` or ``<IPython.core.display.HTML
+    object>``. Such a bundle (HTML, and a text/plain that only names the object or none) is replaced, before MyST-NB
+    picks a form, by the HTML's tables as tables (column widths from their content: :class:`TableWidths`) and its
+    text as paragraphs.
+    """
+
+    @classmethod
+    def setup(cls, app) -> None:
+        from docutils import nodes
+        from sphinx.transforms.post_transforms import SphinxPostTransform
+
+        class Transform(SphinxPostTransform):
+            default_priority = 3
+            formats = ("latex",)
+
+            def run(self, **kwargs) -> None:
+                def is_bundle(node) -> bool:
+                    return isinstance(node, nodes.container) and node.get("nb_element") == "mime_bundle"
+
+                for bundle in list(self.document.findall(is_bundle)):
+                    by_type = {child.get("mime_type"): child for child in bundle.children}
+                    if "text/html" not in by_type or set(by_type) & {"text/latex", "image/png", "image/pdf",
+                                                                       "image/jpeg", "image/svg+xml"}:
+                        continue
+                    plain = by_type.get("text/plain")
+                    if plain is not None and not OBJECT_REPR.fullmatch(plain.astext().strip()):
+                        continue  # a readable text form (a DataFrame's, a CheckTable's): MyST-NB prints it
+                    text = "".join(n.astext() for n in by_type["text/html"].findall(nodes.raw))
+                    new = html_to_nodes(text)
+                    if new:
+                        bundle.replace_self(nodes.container("", *new, classes=["curvlab-rich-output"]))
+                    else:
+                        bundle.parent.remove(bundle)
+
+        app.add_post_transform(Transform)
+
+
+#: Before each table: a smaller font and looser spacing; the group ends after the table.
+TABLE_START = "\\begingroup\\small\\sloppy\n"
+#: Where a long word in a table cell may break: after these characters (names like ``ch11::batchnorm+AMGD``).
+BREAK_AFTER = re.compile(r"(?<=[_:+/=,.])(?=[^\s_:+/=,.])")
+
+
+class TableWidths:
+    """Sphinx post-transform (LaTeX builder): every table fits the text width, in a smaller font.
+
+    Sphinx's LaTeX writer sizes a table's columns to their content (tabulary) and lets a wide one run past the margin:
+    the deviations table lost its Status column. Each column gets a width proportional to its longest cell (at most
+    40 characters, at least its longest word), given to the writer as ``colwidths-given``: p-columns (``\\X{w}{W}``) that wrap, sharing
+    the line width; the table is set in ``\\small``.
+    """
+
+    @classmethod
+    def setup(cls, app) -> None:
+        from docutils import nodes
+        from sphinx.transforms.post_transforms import SphinxPostTransform
+
+        class Transform(SphinxPostTransform):
+            default_priority = 20  # after MyST-NB's choice of output form (4), the ledger values (8), references (10)
+            formats = ("latex",)
+
+            def run(self, **kwargs) -> None:
+                for table in list(self.document.findall(nodes.table)):
+                    group = next(iter(table.findall(nodes.tgroup)), None)
+                    if group is None:
+                        continue
+                    specs = [c for c in group.children if isinstance(c, nodes.colspec)]
+                    longest = [5] * len(specs)
+                    for row in group.findall(nodes.row):
+                        for k, entry in enumerate(c for c in row.children if isinstance(c, nodes.entry)):
+                            if k < len(longest):  # the longest cell, but never narrower than its longest word
+                                text = entry.astext()
+                                word = max((len(w) for w in text.split()), default=0) + 4
+                                longest[k] = max(longest[k], min(40, len(text)), min(word, 30))
+                    for spec, width in zip(specs, longest):
+                        spec["colwidth"] = width
+                    for text in list(group.findall(nodes.Text)):  # long names may break after _ : + / = , .
+                        if not any(len(w) > 12 for w in text.split()) or isinstance(
+                                text.parent, (nodes.literal_block, nodes.math, nodes.math_block, nodes.raw)):
+                            continue
+                        parts = BREAK_AFTER.split(str(text))
+                        if len(parts) > 1:
+                            pieces = []
+                            for k, part in enumerate(parts):
+                                pieces += ([nodes.raw("", "\\allowbreak{}", format="latex")] if k else []) + [nodes.Text(part)]
+                            text.parent.replace(text, pieces)
+                    if "colwidths-given" not in table["classes"]:
+                        table["classes"].append("colwidths-given")
+                    parent = table.parent
+                    at = parent.index(table)
+                    parent.insert(at + 1, nodes.raw("", "\\endgroup\n", format="latex"))
+                    parent.insert(at, nodes.raw("", TABLE_START, format="latex"))
+
+        app.add_post_transform(Transform)
+
+
 def setup_handout(app) -> None:
     """The handout's Sphinx hooks (called from the overlay ``conf.py``)."""
     FigureCaptions.setup(app)
+    RichOutputs.setup(app)
+    TableWidths.setup(app)
     ReferenceLists.setup(app)
     PlainProofs.setup(app)
+
+
+# ------------------------------------------------------------------------------------------------ fonts
+#: The handout's fonts (tools/install_tex.sh installs FreeFont), and the fallback for glyphs they lack (DejaVu, from
+#: fonts-dejavu-core: tools/ci_packages.sh; ✘, ᵀ, ⊙ and other symbols FreeSerif does not have).
+MAIN_FONTS = {"main": "FreeSerif", "sans": "FreeSans", "mono": "FreeMono"}
+FALLBACK_FONT = "DejaVu Sans"
+
+
+def font_file(family: str) -> Path | None:
+    """The file fontconfig serves for ``family`` (None without fontconfig or when it substitutes another family)."""
+    try:
+        res = subprocess.run(["fc-match", "-f", "%{family}\t%{file}", family], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    fam, _, path = res.stdout.partition("\t")
+    return Path(path) if res.returncode == 0 and family.lower() in fam.lower() and path else None
+
+
+def _cmap(family: str) -> set[int]:
+    from fontTools.ttLib import TTFont
+
+    path = font_file(family)
+    return set(TTFont(str(path), lazy=True).getBestCmap()) if path else set()
+
+
+def font_fallbacks(tex: str) -> tuple[str, list[str]]:
+    """The LaTeX source with each non-ASCII character that the main or the mono font lacks, and the fallback has, set
+    in the fallback font (``newunicodechar``: text and maths); returns (source, characters still missing)."""
+    chars = sorted({c for c in tex if ord(c) > 127})
+    if not chars:
+        return tex, []
+    have = _cmap(MAIN_FONTS["main"]) & _cmap(MAIN_FONTS["sans"]) & _cmap(MAIN_FONTS["mono"])
+    fallback = _cmap(FALLBACK_FONT)
+    lacking = [c for c in chars if ord(c) not in have and not unicodedata_combining(c)]
+    mapped = [c for c in lacking if ord(c) in fallback]
+    missing = [c for c in lacking if ord(c) not in fallback]
+    if not mapped:
+        return tex, missing
+    lines = ["% Glyphs the handout's fonts lack, from the fallback font (tools/pdf.py font_fallbacks)",
+             "\\usepackage{newunicodechar}",
+             f"\\newfontfamily\\curvlabfallback{{{FALLBACK_FONT}}}",
+             "\\newcommand{\\curvlabglyph}[1]{\\ifmmode\\text{\\curvlabfallback\\char#1}\\else{\\curvlabfallback\\char#1}\\fi}"]
+    lines += [f"\\newunicodechar{{{c}}}{{\\curvlabglyph{{\"{ord(c):04X}}}}}" for c in mapped]
+    block = "\n".join(lines) + "\n"
+    at = tex.find("\\begin{document}")
+    return (tex[:at] + block + tex[at:] if at >= 0 else tex), missing
+
+
+def unicodedata_combining(c: str) -> bool:
+    import unicodedata
+
+    return unicodedata.combining(c) != 0
+
+
+# ------------------------------------------------------------------------------------------------ what the PDF must not hold
+def _table_lines(tex: str) -> list[tuple[int, int]]:
+    """Line ranges (1-based) of the tables in a LaTeX source."""
+    spans, start = [], None
+    for k, line in enumerate(tex.splitlines(), 1):
+        if re.search(r"\\begin\{(longtable|tabular|tabulary|tabularx)\}", line) and start is None:
+            start = k
+        if re.search(r"\\end\{(longtable|tabular|tabulary|tabularx)\}", line) and start is not None:
+            spans.append((start, k))
+            start = None
+    return spans
+
+
+def handout_problems(log: str, text: str, tex: str = "") -> dict[str, list[str]]:
+    """What the typeset handout got wrong: an object's repr printed instead of the object, a glyph XeLaTeX could not
+    find ("Missing character" in its log), a table wider than the text ("Overfull \\hbox ... in alignment") or with
+    a cell's line past its column (an overfull paragraph inside a table of ``tex``, more than 1 pt)."""
+    tables = _table_lines(tex)
+    cells = [f"{m.group(1)}pt at lines {m.group(2)}" for m in
+             re.finditer(r"Overfull \\hbox \(([\d.]+)pt too wide\) in paragraph at lines (\d+)--\d+", log)
+             if float(m.group(1)) > 1.0 and any(a <= int(m.group(2)) <= b for a, b in tables)]
+    return {
+        "object reprs": sorted(set(m.group(0) for m in OBJECT_REPR.finditer(text))),
+        "missing glyphs": sorted(set(re.findall(r"Missing character: There is no (.+?) in font", log))),
+        "overfull tables": re.findall(r"Overfull \\hbox \(([\d.]+pt) too wide\) in alignment", log) + cells,
+    }
 
 
 def overlay_conf(conf_dir: Path, toc: Path | None, root_doc: str) -> None:
@@ -297,7 +597,8 @@ def sources_cite(docs: list[Path]) -> bool:
     return any(CITE.search(p.read_text()) for p in docs if p.exists())
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("chapters", nargs="*", help="chapter stems or numbers (default: the whole book)")
+    parser.add_argument("chapters", nargs="*", help="chapter stems or numbers, or book pages such as book/deviations "
+                        "(default: the whole book)")
     parser.add_argument("--profile", default=os.environ.get("CURVLAB_PROFILE", "standard"))
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900)
@@ -314,7 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     conf_dir = out / "conf"
     toc = None
     if args.chapters:
-        chapters = [str(p.relative_to(ROOT).with_suffix("")) for p in slides.resolve_chapters(args.chapters)]
+        pages = [c.removesuffix(".md") for c in args.chapters if (ROOT / f"{c.removesuffix('.md')}.md").is_file()]
+        names = [c for c in args.chapters if c.removesuffix(".md") not in pages]
+        chapters = [str(p.relative_to(ROOT).with_suffix("")) for p in slides.resolve_chapters(names)] if names else []
+        chapters += pages  # book pages (book/deviations) after the chapters
         toc = conf_dir / "_toc.yml"
         conf_dir.mkdir(parents=True, exist_ok=True)
         # The book's front page stays the root: sphinx-jupyterbook-latex flattens the *root* document's nested
@@ -334,13 +638,18 @@ def main(argv: list[str] | None = None) -> int:
     rc = subprocess.run(cmd, cwd=ROOT).returncode
     if rc:
         return rc
-    docs = ([ROOT / f"{c}.ipynb" for c in chapters] if args.chapters
+    docs = ([ROOT / (f"{c}.md" if c in pages else f"{c}.ipynb") for c in chapters] if args.chapters
             else [*ROOT.glob("notebooks/*.ipynb"), *ROOT.glob("book/*.md")])
     problems = bibliography_problems(warnings_file.read_text(), (latex_dir / f"{TEXNAME}.tex").read_text(),
                                      sources_cite(docs))
     if problems:
         print("the handout has no bibliography:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 3
+    tex_path = latex_dir / f"{TEXNAME}.tex"
+    source, missing = font_fallbacks(tex_path.read_text())
+    tex_path.write_text(source)
+    if missing:
+        print(f"no font has these characters (they will be missing): {' '.join(missing)}", file=sys.stderr)
     t1 = time.time()
     tex = ["latexmk", "-xelatex", "-interaction=nonstopmode", "-halt-on-error", "-file-line-error", f"{TEXNAME}.tex"]
     print("+ " + " ".join(tex), f"(in {latex_dir})", flush=True)
@@ -356,6 +665,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the handout has no bibliography: no References section with entries in {pdf}", file=sys.stderr)
             return 3
     shutil.copy2(pdf, out / pdf.name)
+    if shutil.which("pdftotext"):
+        text = subprocess.run(["pdftotext", str(pdf), "-"], capture_output=True, text=True).stdout
+        log = (latex_dir / f"{TEXNAME}.log").read_text(errors="replace")
+        for what, found in handout_problems(log, text, tex_path.read_text()).items():
+            if found:
+                print(f"the handout has {len(found)} {what}: {found[:5]}", file=sys.stderr)
     print(f"handout: {out / pdf.name} (sphinx {t1 - t0:.0f} s, xelatex {time.time() - t1:.0f} s)")
     return 0
 
