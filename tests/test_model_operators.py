@@ -220,3 +220,23 @@ def test_params_subset_is_the_submatrix_of_the_full_ggn():
     assert torch.allclose(cm.ggn_matrix(sub), G[idx][:, idx], atol=1e-14, rtol=0)
     with pytest.raises(ValueError, match="params: 'nope' is not a parameter name"):
         cm.problem(net, X, T, params=["nope"])
+
+
+class _ClassesOnAxis1(nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)  # (n, T, c) -> (n, c, T), torch's layout for CrossEntropyLoss
+
+
+def test_per_token_cross_entropy_ggn_and_kfac_equal_curvlinops():
+    # the same parameters; curvlinops sees the module with the classes moved to axis 1, as torch's loss wants them
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    X, y = torch.randn(6, 7, 4, dtype=torch.float64), torch.randint(0, 3, (6, 7))
+    prob = cm.problem(net, X, y, "cross_entropy")
+    assert prob.norm == 6 * 7 and prob.out_shape == (7, 3)
+    wrapped, params = nn.Sequential(net, _ClassesOnAxis1()), list(net.parameters())
+    eye = torch.eye(prob.p, dtype=torch.float64)
+    G = curvlinops.GGNLinearOperator(wrapped, nn.CrossEntropyLoss(), params, [(X, y)]) @ eye
+    assert float((G - cm.ggn_matrix(prob)).abs().max()) <= 1e-13 * float(G.abs().max())
+    K = curvlinops.KFACLinearOperator(wrapped, nn.CrossEntropyLoss(), params, [(X, y)], fisher_type="type-2") @ eye
+    assert float((K - cm.kfac_operator(prob) @ eye).abs().max()) <= 1e-13 * float(K.abs().max())
