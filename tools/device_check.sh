@@ -42,7 +42,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
 else
   echo "pytest not installed: tests/test_model_device.py skipped" | tee "$OUT/model_device_tests.txt"
 fi
-if "$PY" -c "import nbclient, nbformat" 2>/dev/null; then
+if "$PY" -c "import nbclient, nbformat, ipykernel" 2>/dev/null; then
   { time CURVLAB_PROFILE=quick CURVLAB_BOOK_BUILD=1 CURVLAB_LEDGER_DIR="$OUT/ledger41" "$PY" - <<'NB' ; } 2>&1 | tee "$OUT/ch41.txt"
 import nbformat
 from nbclient import NotebookClient
@@ -51,5 +51,5 @@ NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"
 print("chapter 41 executed:", sum(c.cell_type == "code" for c in nb.cells), "code cells")
 NB
 else
-  echo "nbclient not installed: chapter 41 not executed" | tee "$OUT/ch41.txt"
+  echo "nbclient/ipykernel not installed: chapter 41 not executed" | tee "$OUT/ch41.txt"
 fi
