@@ -240,3 +240,52 @@ def test_per_token_cross_entropy_ggn_and_kfac_equal_curvlinops():
     assert float((G - cm.ggn_matrix(prob)).abs().max()) <= 1e-13 * float(G.abs().max())
     K = curvlinops.KFACLinearOperator(wrapped, nn.CrossEntropyLoss(), params, [(X, y)], fisher_type="type-2") @ eye
     assert float((K - cm.kfac_operator(prob) @ eye).abs().max()) <= 1e-13 * float(K.abs().max())
+
+
+def test_condition_of_takes_scipy_and_torch_operators_and_names_bad_ones():
+    from scipy.sparse.linalg import aslinearoperator
+
+    lam = torch.tensor([5.0, 2.0, 1.0, 1e-20, 0.0], dtype=torch.float64)
+    Q = torch.linalg.qr(torch.randn(5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))).Q
+    M = Q @ torch.diag(lam) @ Q.T
+    for op in (M, aslinearoperator(M.numpy())):
+        got = cm.condition_of(op)
+        assert got.rank == 3 and got.kappa == pytest.approx(5.0, rel=1e-12) and got.gap > 1e12
+    with pytest.raises(ValueError, match="op is not symmetric"):
+        cm.condition_of(M + torch.triu(torch.ones(5, 5, dtype=torch.float64), 1))
+    with pytest.raises(TypeError, match="op must be a square"):
+        cm.condition_of("matrix")
+    with pytest.raises(ValueError, match="known_null must have shape"):
+        cm.condition_of(M, method="lanczos", k=1, known_null=torch.ones(3, 1, dtype=torch.float64))
+
+
+def test_new_arguments_are_checked_by_name():
+    net, X, T = _case("mlp", "mse")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        cm.problem(net, X, T, reduction="average")
+    with pytest.raises(TypeError, match="params must be a list"):
+        cm.problem(net, X, T, params="0.weight")
+    with pytest.raises(ValueError, match="params: an entry"):
+        cm.problem(net, X, T, params=[torch.ones(3)])
+    with pytest.raises(ValueError, match="targets for loss='bce' must be probabilities"):
+        cm.problem(net, X, 2 * torch.ones(N, 3, dtype=torch.float64), "bce")
+    prob = cm.problem(net, X, T)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        cm.condition(prob, precision="half")
+    with pytest.raises(ValueError, match="lam_GN"):
+        cm.ggn_inverse_operator(prob, 0.0)
+    with pytest.raises(ValueError, match="jac_op must be an"):
+        cm.gn_step(prob, 1e-2, jac_op=torch.ones(3, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="X must be a tensor"):
+        cm.ggn_operator(prob) @ torch.ones(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"factors \(an operator\) must be"):
+        cm.kfac_block_errors(prob, torch.eye(3, dtype=torch.float64))
+    lin = nn.Linear(4, 3).double()  # C_in of 2 samples in 4 dimensions is singular: no undamped inverse
+    small = cm.problem(lin, X[:2], T[:2])
+    with pytest.raises(ValueError, match="use damping > 0"):
+        cm.kfac_operator(small).inverse()
+    assert torch.isfinite(cm.kfac_operator(small).inverse(1e-3) @ torch.ones(small.p, dtype=torch.float64)).all()
+    bn = _bn().double()
+    with pytest.raises(ValueError, match=r"K-FAC has no block for the parameters \['1.weight', '1.bias'\]"), \
+            pytest.warns(UserWarning, match="BatchNorm1d"):
+        cm.kfac_operator(cm.problem(bn, X, T))
