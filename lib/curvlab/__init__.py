@@ -23,7 +23,9 @@ One module per subject the book teaches, plus shared tools:
 ``conv``        Part III: two-layer linear CNN — Toeplitz form of the convolution, reduced GN matrix, κ bound
 ``resnet``      Part III at paper size: ResNet-20, the CIFAR-10 python batches, pruned κ(GN) via a chunked Jacobian Gram
 ``paper_runs``  registry of paper-scale grids run outside the book build (``make sweeps``)
-``model``       any ``torch.nn.Module``: GN/GGN products, κ with its rank cut, K-FAC blocks, a kernel-form GN step
+``model``       any ``torch.nn.Module`` (MSE, cross-entropy incl. per-token, BCE): GN/GGN products, κ with its rank
+                cut and gap, K-FAC blocks, a kernel-form GN step; operators in curvlinops' interface (and curvlinops'
+                operators accepted where curvlab computes κ, K-FAC distances or a damped step)
 
 Call :func:`setup` once at the top of a notebook.
 """
