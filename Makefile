@@ -14,7 +14,7 @@ JOBS       ?= 2
 STAMP      := $(VENV)/.curvlab-installed
 TORCH_PIN  ?= torch==2.13.0
 
-.PHONY: env book book-quick test unit built-tests lab colab bench clean clean-cache strip slides student pdf sweeps
+.PHONY: env book book-quick test unit built-tests lab colab bench clean clean-cache strip slides student pdf sweeps nbgrader
 
 env: $(STAMP)
 
@@ -64,6 +64,10 @@ slides: env
 
 student: env
 	$(PY) tools/student.py
+
+# Graded assignments: an nbgrader course folder in _build/nbgrader (book/lecture_kit.md, "Graded assignments").
+nbgrader: env
+	$(PY) tools/nbgrader_export.py $(CHAPTERS)
 
 pdf: env
 	@command -v xelatex >/dev/null && command -v latexmk >/dev/null || bash tools/install_tex.sh

@@ -1,7 +1,9 @@
-"""The lecture kit: offline slide decks (tools/slides.py) and student notebooks (tools/student.py)."""
+"""The lecture kit: offline slide decks (tools/slides.py), student notebooks (tools/student.py) and nbgrader
+assignments (tools/nbgrader_export.py)."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -236,3 +238,56 @@ def test_handout_preamble_defines_every_macro():
     for name in macros:
         assert f"\\renewcommand{{\\{name}}}" in pre
     assert "\\renewcommand{\\norm}[1]{{\\left\\lVert #1 \\right\\rVert}}" in pre  # one group (tests/test_pdf.py)
+
+
+# ------------------------------------------------------------------------------------------------ nbgrader
+def test_nbgrader_generates_and_autogrades_a_chapter(tmp_path):
+    """tools/nbgrader_export.py on chapter 00, then nbgrader's own steps: generate_assignment removes the solution and
+    the hidden tests from the release; autograde gives the chapter's solution full marks and a wrong answer none."""
+    pytest.importorskip("nbgrader")
+    import shutil
+    import subprocess
+
+    import nbgrader_export
+    from nbgrader.api import Gradebook
+
+    stem = "00_how_to_read"
+    course = tmp_path / "course"
+    (source,) = nbgrader_export.export([ROOT / "notebooks" / f"{stem}.ipynb"], course, "quick")
+    src = nbformat.read(source, as_version=4)
+    graded = [c for c in src.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    assert graded and all("### BEGIN HIDDEN TESTS" in c.source for c in graded)
+    bindir = str(Path(sys.executable).parent)  # nbgrader runs `alembic` from the environment's bin
+    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", ""), "CURVLAB_PROFILE": "quick"}
+    nbg = [sys.executable, "-m", "nbgrader"]
+
+    def run(*args: str) -> None:
+        res = subprocess.run([*nbg, *args, "--force"] if args[0] in ("generate_assignment", "autograde") else [*nbg, *args],
+                             cwd=course, env=env, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{res.stderr[-3000:]}"
+
+    run("generate_assignment", stem)
+    release = (course / "release" / stem / f"{stem}.ipynb").read_text()
+    assert "### BEGIN SOLUTION" not in release and "HIDDEN TESTS" not in release and "_ref = " not in release
+    solution = next(c.source for c in src.cells if c.metadata.get("nbgrader", {}).get("solution"))
+    body = re.search(r"### BEGIN SOLUTION\n(.*?)\n### END SOLUTION", solution, re.S).group(1)
+    for line in body.splitlines():
+        if len(line.strip()) > 25:
+            assert line.strip() not in release, f"solution line in the release: {line.strip()!r}"
+    for student_id, answer in (("solved", body), ("wrong", body + "\ncos_pop_eig = 0.5")):
+        nb = nbformat.read(course / "release" / stem / f"{stem}.ipynb", as_version=4)
+        for cell in nb.cells:
+            if cell.metadata.get("nbgrader", {}).get("solution"):
+                assert "raise NotImplementedError()" in cell.source
+                cell.source = cell.source.replace("# YOUR CODE HERE\nraise NotImplementedError()", answer)
+        folder = course / "submitted" / student_id / stem
+        folder.mkdir(parents=True)
+        nbformat.write(nb, folder / f"{stem}.ipynb")
+        if (course / "source" / stem / "configs").is_dir():
+            shutil.copytree(course / "source" / stem / "configs", folder / "configs")
+        run("db", "student", "add", student_id)
+    run("autograde", stem)
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        solved, wrong = (gb.find_submission(stem, s) for s in ("solved", "wrong"))
+        assert solved.max_score == len(graded) and solved.score == solved.max_score
+        assert wrong.score == 0
