@@ -205,6 +205,8 @@ def test_setup_cell_installs_a_ref_that_exists_and_shows_pip_errors(path):
     assert '"-q"' not in block and "check_returncode()" in block and "print(done.stderr" in block
     assert 'find_spec("google.colab")' in block and "COLAB_RELEASE_TAG" in block
     assert "google.colab\" in sys.modules" not in block, "Colab must be detected before google.colab is imported"
+    # outside Colab, no suggestion of a name no package index serves: a clone's `make env`, or pip from the repository
+    assert 'pip install "curvlab[' not in block and "make env" in block and "git+{REPO}@{REF}" in block
 
 
 def test_extras_follow_what_the_chapter_uses():

@@ -107,8 +107,8 @@ def chapters() -> list[Path]:
 
 # ------------------------------------------------------------------------------------------------ setup cell
 INSTALL_BLOCK = '''\
-# Setup. In Colab (or any kernel without curvlab, e.g. a fresh venv: pip install "curvlab[{extra}]"),
-# install curvlab from this book's repository at REF, keeping the runtime's torch and numpy.
+# Setup. In Colab, install curvlab from this book's repository at REF, keeping the runtime's torch and numpy.
+# Elsewhere curvlab must be installed already (`make env` in a clone of the repository: the running page).
 import importlib.util, os, subprocess, sys
 REPO = "{repo}"
 REF = "{ref}"  # the release tag in a release, else the branch the book is built from (tools/colab.py)
@@ -127,6 +127,10 @@ if IN_COLAB and importlib.util.find_spec("curvlab") is None:
     if done.returncode:  # pip's own error, then stop here
         print(done.stderr, file=sys.stderr)
     done.check_returncode()
+elif importlib.util.find_spec("curvlab") is None:
+    raise ModuleNotFoundError(f"curvlab is not installed in this kernel: in a clone of {{REPO}} run `make env` and "
+                              f"choose its .venv as the kernel, or pip install "
+                              f"'curvlab{{EXTRAS}} @ git+{{REPO}}@{{REF}}#subdirectory=lib'")
 '''
 
 FETCH_BLOCK = '''\
@@ -170,7 +174,7 @@ def split_setup(src: str) -> tuple[str, str]:
     if start_if is None:
         return "", src
     k = start_if + 1
-    while k < len(lines) and (not lines[k].strip() or lines[k][0] in " \t"):
+    while k < len(lines) and (not lines[k].strip() or lines[k][0] in " \t" or lines[k].startswith(("elif ", "else:"))):
         k += 1
     # a data-file loop that follows belongs to the block as well
     if k < len(lines) and lines[k].startswith("for name in ") and "data files" in lines[k]:  # FETCH_BLOCK
@@ -193,7 +197,6 @@ def expected_setup_source(nb: dict[str, Any], ref: str, config: dict[str, Any] |
     src = cell_source(nb["cells"][setup_cell_index(nb)])
     _, rest = split_setup(src)
     return install_block(nb, ref, config) + rest
-
 
 
 # ------------------------------------------------------------------------------------------------ the copy
