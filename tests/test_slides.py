@@ -292,3 +292,16 @@ def test_one_deck_rendered_in_chromium_fits_the_canvas_with_its_figures_visible(
     assert not tall, f"slides taller than the {CANVAS_H}-px canvas: {tall}"
     assert sum(r["figures"] for r in rows) == len(_shown_figures(nb)) > 0
     assert all(r["visible_figures"] == r["figures"] for r in rows), [r for r in rows if r["visible_figures"] < r["figures"]]
+
+
+def test_make_slides_says_which_profile_runs_and_how_long(tmp_path, monkeypatch):
+    """Right after `make test` (quick) a `make slides` in the standard profile re-executes every chapter: it says so,
+    with the kernel time the last build of that profile recorded, and how to avoid it."""
+    monkeypatch.setattr(slides, "ROOT", tmp_path)
+    (tmp_path / "_build" / "execution").mkdir(parents=True)
+    (tmp_path / "_build" / "execution" / "standard-abc.json").write_text(
+        '{"notebooks/00_how_to_read": {"runtime": 30.0}, "notebooks/10_linrep_derivations": {"runtime": 90.0}}')
+    note = slides.execution_note(["00_how_to_read", "10_linrep_derivations", "11_linrep_experiments"], "standard", 2)
+    assert "profile standard" in note and "executing 3 chapter(s)" in note and "120 s" in note and "2 of them" in note
+    assert "PROFILE=quick" in note and "OUTPUTS=book-cache" in note
+    assert "no quick build has recorded times" in slides.execution_note(["00_how_to_read"], "quick", 2)

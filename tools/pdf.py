@@ -627,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"format": "jb-book", "root": root_doc, "chapters": [{"file": c} for c in chapters if c != root_doc]}
         toc.write_text(yaml.safe_dump(spec, sort_keys=False))
     else:
+        print(slides.execution_note([p.stem for p in slides.toc_chapters()], args.profile, args.jobs, "handout")
+              .replace("executing", "outputs from the execution cache, else executing"), flush=True)
         build_book.pre_execute(args.jobs, False, args.timeout)  # fill the execution cache, --jobs at a time
         root_doc = yaml.safe_load((ROOT / "_toc.yml").read_text())["root"]
     overlay_conf(conf_dir, toc, root_doc)

@@ -121,6 +121,32 @@ def _execute(path: str, out: str, env: dict[str, str], timeout: int) -> tuple[st
     return path, time.time() - t0, None
 
 
+def execution_note(stems: list[str], profile: str, jobs: int, what: str = "slides") -> str:
+    """What is about to run and about how long it takes: the chapters' kernel times in the latest book build of this
+    profile that recorded them (``_build/execution/<profile>-*.json``), or a pointer to the running page."""
+    records = sorted((ROOT / "_build" / "execution").glob(f"{profile}-*.json"), key=lambda p: p.stat().st_mtime)
+    seconds: dict[str, float] = {}
+    for rec in records:  # oldest first: the latest build's times win
+        try:
+            data = json.loads(rec.read_text())
+        except (OSError, ValueError):
+            continue
+        for rel, row in data.items():
+            if row.get("runtime"):
+                seconds[Path(rel).name] = float(row["runtime"])
+    known = [seconds[s] for s in stems if s in seconds]
+    head = f"{what}: profile {profile}: executing {len(stems)} chapter(s), {max(1, jobs)} at a time"
+    if known:
+        total = sum(known)
+        est = f"; the last {profile} book build took {total:.0f} s of kernel time for {len(known)} of them " \
+              f"(about {total / max(1, jobs) / 60:.0f} min here)"
+    else:
+        est = f"; no {profile} build has recorded times yet (book/running.md lists what to expect)"
+    other = "quick" if profile != "quick" else "standard"
+    return head + est + f". PROFILE={other} runs the {other} profile" + (
+        "; OUTPUTS=book-cache takes the book's outputs without running anything" if what == "slides" else "")
+
+
 def execute_all(chapters: list[Path], out_dir: Path, profile: str, jobs: int, force: bool, timeout: int) -> dict[Path, Path]:
     env = curvlab_book.build_environment(profile)
     env["CURVLAB_LEDGER_DIR"] = str(out_dir / ".ledger")
@@ -137,6 +163,8 @@ def execute_all(chapters: list[Path], out_dir: Path, profile: str, jobs: int, fo
             todo.append((p, target))
         else:
             print(f"  {p.stem}: executed copy up to date", flush=True)
+    if todo:
+        print(execution_note([p.stem for p, _ in todo], profile, jobs), flush=True)
     failed = []
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [pool.submit(_execute, str(p), str(t), env, timeout) for p, t in todo]
