@@ -184,9 +184,10 @@ def test_key_ignores_dict_order_and_numpy_scalars(tmp_path):
 
 def test_corrupt_cell_is_recomputed(tmp_path):
     run(one_row, grid(a=[1]), tmp_path)
-    (cell,) = tmp_path.rglob("*.pkl")
-    cell.write_bytes(b"not a pickle")
-    frame = run(one_row, grid(a=[1]), tmp_path)
+    (cell,) = tmp_path.rglob("*.npz")
+    cell.write_bytes(b"not a cell")
+    with pytest.warns(sw.CacheWarning, match="ignoring"):
+        frame = run(one_row, grid(a=[1]), tmp_path)
     assert n_computed(frame) == 1 and frame.loc[0, "y"] == 1
 
 
@@ -227,14 +228,29 @@ def test_changed_function_source_invalidates(tmp_path, monkeypatch):
     source.write_text(MODULE_V1.replace('{"y": helper(a)}', '{"y": 10 * helper(a)}').replace("return a", "return -a"))
     v3 = _load_module(source, "sweep_tmp_mod", monkeypatch)
     assert run(v3.experiment, grid(a=[1, 2]), cache)["y"].tolist() == [-10, -20]
-    assert len(list((cache / "sweep_tmp_mod.experiment").glob("*.pkl"))) == 6  # old cells stay until cleared
+    assert len(list((cache / "sweep_tmp_mod.experiment").glob("*.npz"))) == 6  # old cells stay until cleared
+
+
+def uses_linalg(a):
+    from curvlab import linalg
+
+    return {"y": a, "rtol": float(linalg.default_rtol(4, torch.float64))}
+
+
+def _edited(module):
+    """A stand-in for an edit of ``module``'s file: its sha in every key changes."""
+    real = sw._module_closure
+    return lambda root, modules: {m: (h if m != module else "edited") for m, h in real(root, modules).items()}
 
 
 def test_changed_curvlab_source_invalidates(tmp_path, monkeypatch):
-    run(one_row, grid(a=[1, 2]), tmp_path)
-    monkeypatch.setattr(sw, "_package_hash", lambda modules=None: "curvlab source changed")
-    assert n_computed(run(one_row, grid(a=[1, 2]), tmp_path)) == 2
-    assert n_computed(run(one_row, grid(a=[1, 2]), tmp_path)) == 0
+    run(uses_linalg, grid(a=[1, 2]), tmp_path)
+    assert "curvlab.linalg" in sw.code_reached(uses_linalg) and "curvlab.meanfield" not in sw.code_reached(uses_linalg)
+    monkeypatch.setattr(sw, "_module_closure", _edited("curvlab.meanfield"))    # not reached: cells stay
+    assert n_computed(run(uses_linalg, grid(a=[1, 2]), tmp_path)) == 0
+    monkeypatch.setattr(sw, "_module_closure", _edited("curvlab.linalg"))
+    assert n_computed(run(uses_linalg, grid(a=[1, 2]), tmp_path)) == 2
+    assert n_computed(run(uses_linalg, grid(a=[1, 2]), tmp_path)) == 0
 
 
 def test_code_version_and_sourceless_functions(tmp_path):
@@ -361,7 +377,7 @@ def test_bad_results_name_the_config_and_are_not_cached(tmp_path, result, error,
     with pytest.raises(error) as info:
         run(lambda a: result, [{"a": 1}], tmp_path, name="bad")
     assert needle in str(info.value)
-    assert not list(tmp_path.rglob("*.pkl"))
+    assert not list(tmp_path.rglob("*.npz"))
 
 
 # ------------------------------------------------------------------------ scoped code hash, cache-only reads
@@ -370,10 +386,13 @@ def test_bad_results_name_the_config_and_are_not_cached(tmp_path, result, error,
 def test_code_modules_scope_the_hash_and_compute_false_only_reads(tmp_path, monkeypatch):
     configs = grid(a=[1, 2])
     run(one_row, configs, tmp_path, name="scoped", code_modules=["sweep", "config"])
-    real = sw._package_hash
-    monkeypatch.setattr(sw, "_package_hash", lambda modules=None: real(modules) if modules else "other edit")
+    real = sw._module_closure
+    monkeypatch.setattr(sw, "_module_closure", _edited("curvlab.meanfield"))
     again = run(one_row, configs, tmp_path, name="scoped", code_modules=["sweep", "config"])
-    assert again["_cached"].all()  # an edit outside the listed modules keeps the cells
+    assert again["_cached"].all()  # an edit outside the modules reached and listed keeps the cells
+    monkeypatch.setattr(sw, "_module_closure", _edited("curvlab.config"))       # a listed module's edit does not
+    assert n_computed(run(one_row, configs, tmp_path, name="scoped", code_modules=["sweep", "config"])) == 2
+    monkeypatch.setattr(sw, "_module_closure", real)
     read = run(one_row, configs[:1], tmp_path, name="scoped", code_modules=["sweep", "config"], compute=False)
     assert read["_cached"].all() and read["y"].tolist() == [1]
     with pytest.raises(sw.MissingCells) as info:
@@ -485,7 +504,7 @@ def test_paper_run_section_reads_computes_and_reports_partial_grids(tmp_path, mo
 
 def test_committed_frames_round_trip_and_stand_in_for_the_cache(tmp_path, monkeypatch, capsys):
     """`export` writes a complete grid with its provenance; `committed` reads it back (lists intact); every
-    profile's section then shows the committed paper-profile frame, and says when the code has changed since."""
+    profile's section then shows the committed paper-profile frame, and says when it was made by other code."""
     from curvlab import paper_runs
 
     frames = tmp_path / "frames"
@@ -515,7 +534,8 @@ def test_committed_frames_round_trip_and_stand_in_for_the_cache(tmp_path, monkey
     stale["code_hash"] = "0" * 64
     meta.write_text(json.dumps(stale))
     paper_runs.section("ch31_depth_law", cache_dir=tmp_path / "empty")
-    assert "predates a change" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(the current code's)" not in out and "not this build's" in out and "made by other code" in out
     with pytest.raises(ValueError, match="profile must be one of"):
         paper_runs.export("ch31_depth_law", "huge", cache_dir=cache)
 

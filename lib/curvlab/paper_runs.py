@@ -16,8 +16,12 @@ gives the measured times. The ``quick`` and ``standard`` grids are the same comp
 ``make sweeps PROFILE=quick`` runs, and what the page's CPU times were measured on).
 
 Each cell carries provenance (:func:`curvlab.sweep.cache_info`: configuration, code hash, git revision, torch,
-device, host, wall time). The cache key covers the cell function, this module and the chapter's module
-(``code_modules``), not the whole library, so an edit to an unrelated module does not throw away GPU-hours.
+device, host, thread counts, wall time). The cache key covers the code the cell reaches, derived from the source
+(:func:`curvlab.sweep.code_reached`): the statements of this module the cell function names (its helpers, not the
+other grids or the summary figures) and every ``curvlab`` module they import, transitively, so an edit to any
+function a cell calls recomputes it while an edit to code it cannot reach does not throw away GPU-hours. A
+committed frame (:func:`committed`) records the code hash it was made with; :func:`section` says when that is
+not this build's.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ __all__ = ["PaperRun", "Loaded", "Section", "Committed", "REGISTRY", "names", "g
            "estimate", "command", "export", "committed", "GPU_FLOPS_PER_S"]
 
 _PROFILES = ("quick", "standard", "paper")
-_COMMON = ("paper_runs", "config", "_validate", "sweep")
 #: The folder of committed frames, package data of ``curvlab`` (so a ``pip install`` of the library, in Colab too,
 #: carries them), written from the sweep cache by ``tools/run_sweeps.py --export``.
 FRAMES_DIR = Path(__file__).resolve().parent / "paper_frames"
@@ -52,7 +55,11 @@ GPU_FLOPS_PER_S = 1e13
 # =============================================================================================== the registry
 @dataclass(frozen=True)
 class PaperRun:
-    """One chapter's grid: ``fn(**config)`` over ``grids[profile]()``, with a cost model and its data sets."""
+    """One chapter's grid: ``fn(**config)`` over ``grids[profile]()``, with a cost model and its data sets.
+
+    ``modules`` names the ``curvlab`` modules the grid is known to use. It is documentation and a check
+    (tests/test_sweep_cache.py: the modules derived from the code cover it), not the cache key: the key covers
+    whatever the cell reaches (:func:`curvlab.sweep.code_reached`)."""
 
     name: str
     chapter: str
@@ -849,7 +856,7 @@ def run(name: str, profile: str | None = None, *, backend: str | None = None, n_
     """Run (or complete) ``name``'s grid in ``profile`` into the sweep cache; return the tidy frame."""
     r = get(name)
     return _sweep.sweep(r.fn, r.configs(profile), cache_dir=cache_dir, n_jobs=n_jobs, backend=backend,
-                        progress=progress, name=r.cache_name(), code_modules=(*_COMMON, *r.modules))
+                        progress=progress, name=r.cache_name())
 
 
 def load(name: str, profile: str | None = None, *, cache_dir: str | os.PathLike | None = None) -> Loaded:
@@ -862,11 +869,11 @@ def load(name: str, profile: str | None = None, *, cache_dir: str | os.PathLike 
     prof = config.profile() if profile is None else profile
     try:
         frame = _sweep.sweep(r.fn, r.configs(prof), cache_dir=cache_dir, progress=False, name=r.cache_name(),
-                             code_modules=(*_COMMON, *r.modules), compute=False)
+                             compute=False)
     except _sweep.MissingCells as exc:
         raise _sweep.MissingCells(f"{exc}; run `{command(name, prof)}` first", exc.done, exc.missing) from None
     keys = {_sweep._config_json("config", c) for c in r.configs(prof)}
-    code = _sweep._code_hash(r.fn, r.cache_name(), None, (*_COMMON, *r.modules))
+    code = _code_hash_of(r)
     info = _sweep.cache_info(cache_dir, r.cache_name())
     mine = info["config"].map(lambda s: _sweep._config_json("config", json.loads(s)) in keys) & (info["code_hash"] == code)
     return Loaded(frame, info[mine].reset_index(drop=True), command(name, prof))
@@ -886,7 +893,8 @@ def _frame_paths(name: str, profile: str, folder: Path | None = None) -> tuple[P
 
 
 def _code_hash_of(r: PaperRun) -> str:
-    return _sweep._code_hash(r.fn, r.cache_name(), None, (*_COMMON, *r.modules))
+    """The code hash in the keys of ``r``'s cells (:func:`curvlab.sweep.code_reached` lists what it covers)."""
+    return _sweep._code_hash(r.fn, r.cache_name(), None)
 
 
 def export(name: str, profile: str = "paper", *, cache_dir: str | os.PathLike | None = None,
@@ -922,6 +930,9 @@ def export(name: str, profile: str = "paper", *, cache_dir: str | os.PathLike | 
         "timestamps": [min(text("timestamp"), default=""), max(text("timestamp"), default="")],
         "command": command(name, profile),
         "constant_columns": constant,
+        "code_modules": _sweep.code_reached(r.fn),
+        "threads": {col: sorted({int(v) for v in info[col].dropna()}) for col in
+                    ("torch_threads", "openmp_threads", "blas_threads") if col in info},
     }
     out = Path(FRAMES_DIR if folder is None else folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -976,25 +987,23 @@ def section(name: str, profile: str | None = None, *, cache_dir: str | os.PathLi
     prof = config.profile() if profile is None else profile
     configs = r.configs(prof)
     cmd = command(name, prof)
-    modules = (*_COMMON, *r.modules)
     computed = r.in_book and prof == "paper"
     if computed:
-        frame = _sweep.sweep(r.fn, configs, cache_dir=cache_dir, progress=False, name=r.cache_name(),
-                             code_modules=modules)
+        frame = _sweep.sweep(r.fn, configs, cache_dir=cache_dir, progress=False, name=r.cache_name())
         done = len(configs)
     else:
         try:
             frame = _sweep.sweep(r.fn, configs, cache_dir=cache_dir, progress=False, name=r.cache_name(),
-                                 code_modules=modules, compute=False)
+                                 compute=False)
             done = len(configs)
         except _sweep.MissingCells as exc:
             missing = {_sweep._config_json("config", c) for c in exc.missing}
             present = [c for c in configs if _sweep._config_json("config", c) not in missing]
             frame = (_sweep.sweep(r.fn, present, cache_dir=cache_dir, progress=False, name=r.cache_name(),
-                                  code_modules=modules, compute=False) if present else pd.DataFrame())
+                                  compute=False) if present else pd.DataFrame())
             done = len(present)
     keys = {_sweep._config_json("config", c) for c in configs}
-    code = _sweep._code_hash(r.fn, r.cache_name(), None, modules)
+    code = _code_hash_of(r)
     info = _sweep.cache_info(cache_dir, r.cache_name())
     if len(info):
         mine = info["config"].map(lambda s: _sweep._config_json("config", json.loads(s)) in keys)
@@ -1019,8 +1028,9 @@ def section(name: str, profile: str | None = None, *, cache_dir: str | os.PathLi
             f"revision {', '.join(prov['revisions'])}, torch {', '.join(prov['torch'])}, "
             f"run {prov['timestamps'][0][:10]}; code hash {prov['code_hash'][:12]}"
             + (" (the current code's)." if fresh else
-               f" — the current code's is {code[:12]}: the frame predates a change to the grid's code; rerun "
-                                                   f"`{prov['command']}` and `python tools/run_sweeps.py --export`."))
+               f", not this build's ({code[:12]}): the frame was made by other code than this build's (or keyed by "
+               "an older curvlab), so its numbers may not be what the current code computes; refresh it with "
+               f"`{prov['command']}` and `python tools/run_sweeps.py --export`."))
         say(f"  regenerate with: {prov['command']}")
         _gpu_note(r, say)
         fig = None

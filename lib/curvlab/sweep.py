@@ -19,27 +19,54 @@ A cache keyed only on the configuration goes stale silently: fix a bug in ``curv
 every figure still shows the old, cached numbers. Each cell is therefore keyed by a hash of
 
 1. the configuration, as canonical JSON (sorted keys; numbers, strings, bools, ``None`` and lists/tuples of them);
-2. the code it depends on: the source of ``fn``, the source file of the module defining ``fn`` (so helpers in the
-   same file count), every ``*.py`` file of the installed ``curvlab`` package, and an optional ``code_version``.
+2. the code the cell reaches, derived from the source (:func:`code_reached` lists it), not from a hand-kept list:
+
+   * in ``fn``'s own file, the top-level statements its definition reaches by name, transitively: ``fn``
+     itself, the helpers, constants and classes of that file it names (an edit elsewhere in the file, another
+     grid's figure say, does not count);
+   * every ``curvlab`` module those statements import (at the top of the file or inside a function), and every
+     ``curvlab`` module *those* import anywhere in their files, transitively: the static import graph of the
+     package, whole files;
+   * ``code_modules`` (extra modules) and ``code_version`` (an extra string), when given;
+   * the cache format (:data:`CACHE_FORMAT`).
 
 Change any of these and the affected cells are recomputed; extend the grid or resume an interrupted sweep and
-*only* the missing cells are. What is not tracked: module-level data a function reads (globals, closures),
-helpers imported from modules other than ``curvlab``, data files and library versions (torch, numpy). For those
-pass ``code_version=`` and change it by hand. In a notebook (or another place where ``fn``'s module has no
-file) only ``fn``'s own source is hashed; a function whose source cannot be read at all needs ``name=`` and
-``code_version=``.
+*only* the missing cells are. What is not tracked: code reached without an import statement (``importlib``,
+``getattr`` on a module by a computed name), helpers imported from modules other than ``curvlab`` (your own
+package's other modules included), data files and library versions (torch, numpy): for those pass
+``code_version=`` and change it by hand. In a notebook (or another place where ``fn``'s module has no file) the
+key covers ``fn``'s source, the sources of the notebook's functions it names (transitively) and the whole
+``curvlab`` package, since objects a notebook made with any of it may reach the cell. A function whose source
+cannot be read at all needs ``name=`` and ``code_version=``.
 
-Layout on disk
---------------
-``<cache_dir>/<name>/<key>.pkl``, one file per cell, where ``<name>`` defaults to ``fn``'s
-``module.qualname`` and ``<key>`` is the hash above. Each file is a pickle of
-``{"rows": <list of dicts or DataFrame>, "provenance": {...}}``; the provenance records the configuration,
-the code hash, ``code_version``, the curvlab git revision (:func:`curvlab.config.git_revision`), the torch
-version, the device (when the result has a ``device`` column), the wall time and a UTC timestamp. A cell is
-written to a temporary file and moved into place with :func:`os.replace`, so an interrupted sweep never leaves
-a half-written cell. Cells of superseded code stay on disk until :func:`clear_cache`; :func:`cache_info` lists
-them. The default ``cache_dir`` is ``$CURVLAB_CACHE_DIR``, else ``.curvlab_cache`` at the root of the git checkout
-holding the working directory (else in the working directory itself).
+Layout on disk, and what a read trusts
+--------------------------------------
+``<cache_dir>/<name>/<key>.npz``, one file per cell, where ``<name>`` defaults to ``fn``'s ``module.qualname`` and
+``<key>`` is the hash above. A cell is an *uncompressed zip of* ``.npy`` *arrays and JSON*, never a pickle: the
+member ``meta`` holds (as UTF-8 JSON) the format, the key, the experiment name, the configuration, the code hash,
+a SHA-256 digest of the content, the provenance and the rows (for a frame, its non-numeric columns); ``c<j>`` holds
+the frame's numeric, bool and datetime columns. It is read with ``numpy.load(..., allow_pickle=False)``, so a
+file in the cache cannot run code. Every read checks that the file records *this* key (its name), experiment,
+configuration and code hash and that its content matches its digest; a cell copied, renamed or swapped from
+another key, edited, truncated or of another format is a miss, with a :class:`CacheWarning`, and is recomputed
+and replaced. Pickle cells of older curvlab versions (``*.pkl``) are never opened (a warning says so;
+:func:`clear_cache` deletes them). The digest guards against accidents, not against someone who can write the
+cache folder: such a person can write a consistent cell, so keep a cache where only its users can write.
+
+The provenance records the configuration, the code hash and the modules it covers, ``code_version``, the
+curvlab git revision (:func:`curvlab.config.git_revision`), the torch and Python versions, the device (when the
+result has a ``device`` column), the host, the thread counts the cell ran with (torch's intra- and inter-op
+threads, the OpenMP and BLAS pools, ``$OMP_NUM_THREADS``: results can differ in the last bits across thread
+counts), the wall time and a UTC timestamp. A cell is written to a temporary file and moved into place with
+:func:`os.replace`, so an interrupted sweep never leaves a half-written cell.
+
+**File mode.** A cell is created like any file the user writes: mode ``0o666`` less the process's umask
+(``0644`` under the usual ``022``: others can read it, only its writer can replace it). For a cache shared by a
+group, run the sweeps under ``umask 002`` in a folder owned by the group with the setgid bit (``chmod g+ws``), so
+cells are group-writable and stay in the group; under ``umask 077`` cells are private (``0600``) and another
+user's sweep recomputes them. Cells of superseded code stay on disk until :func:`clear_cache`; :func:`cache_info`
+lists them. The default ``cache_dir`` is ``$CURVLAB_CACHE_DIR``, else ``.curvlab_cache`` at the root of the git
+checkout holding the working directory (else in the working directory itself).
 
 Parallelism and clusters
 ------------------------
@@ -49,38 +76,58 @@ joblib's active backend: ``loky`` (processes) by default, or whatever a surround
 when the environment (or a context around the notebook's code) says so:
 
 ``backend="dask"`` (or ``CURVLAB_SWEEP_BACKEND=dask``)
-    Dask distributed through joblib's ``dask`` backend, one cell per task. The client is, in this order: one
-    connected to ``$CURVLAB_DASK_SCHEDULER`` (``tcp://host:8786``); the default client of this process, if one
-    exists; else a ``distributed.LocalCluster`` of ``n_jobs`` worker *processes* (default: the usable cores)
-    on the loopback interface, started for this call and closed after it. Needs ``pip install "curvlab[cluster]"``.
+    Dask distributed, one task per cell. The client is, in this order: one connected to
+    ``$CURVLAB_DASK_SCHEDULER`` (``tcp://host:8786``); the default client of this process, if one exists; else a
+    ``distributed.LocalCluster`` of ``n_jobs`` worker *processes* (default: the usable cores) listening on the
+    loopback interface only (127.0.0.1, dashboard included), started for this call and closed after it. Needs
+    ``pip install "curvlab[cluster]"``.
 ``backend="ray"`` (or ``CURVLAB_SWEEP_BACKEND=ray``)
-    Ray's joblib backend (``ray.util.joblib``); connects to ``$RAY_ADDRESS`` when set, else starts a local Ray for
-    the call. Needs ``pip install ray`` (not part of the extras).
+    Ray's joblib backend (``ray.util.joblib``); connects to ``$RAY_ADDRESS`` when set, uses the Ray this process
+    already runs, else starts a local Ray for the call, without a dashboard and bound to the loopback interface
+    (every server of it listens on 127.0.0.1 only; Ray otherwise listens on all interfaces). Needs ``pip install
+    "curvlab[cluster]"`` (or ``pip install ray``).
 
-Each worker writes its own cell as soon as it finishes (on a cluster of several machines ``cache_dir`` must
-therefore be a shared path); the driver also writes every cell it receives that is not on its disk, so a
-worker that cannot reach the cache loses nothing either. An error or an interrupt, a worker killed mid-sweep
-included, therefore loses only the cells still running: when the cluster cannot finish (a worker died and
-Dask gave up on its task, the scheduler went away) :func:`sweep` raises :class:`SweepIncomplete`, saying how
-many cells are cached, and the same call run again computes only the missing ones. (Dask retries a task whose
-worker died up to ``distributed.scheduler.allowed-failures`` times, 3 by default, so a sweep usually survives a
-lost worker.) The progress bar counts completed/total cells, cached ones included.
+A remote cluster (``$CURVLAB_DASK_SCHEDULER``, ``$RAY_ADDRESS``) is its owner's to secure: anyone who can reach
+its scheduler can run code on its workers (see README.md, "Clusters").
+
+**What a killed worker costs.** Each worker writes its own cell as soon as it finishes (on a cluster of several
+machines ``cache_dir`` must therefore be a shared path); the driver also writes every cell it receives that is
+not on its disk. So a finished cell is never lost, and no cell is ever half-written. What happens to the *call*
+depends on the backend:
+
+* Dask retries a task whose worker died, up to ``distributed.scheduler.allowed-failures`` times (3 by default):
+  a killed worker then costs only the time of its cell, and the call returns every cell. Past the retries (or
+  with ``allowed-failures = 0``) the tasks of that worker are given up: the one it was running and any queued
+  on it, so possibly more than one cell; the other cells run to the end and :func:`sweep` raises
+  :class:`SweepIncomplete`, saying how many cells are cached.
+* Ray's joblib pool does not replace a dead worker: the call stops with :class:`SweepIncomplete`, and every cell
+  not finished by then (not only the killed worker's) is missing.
+* In every case the same call run again computes exactly the missing cells (and reads the others, bit for
+  bit). An error raised by ``fn`` itself is a :class:`CellError` naming the configuration; a killed driver,
+  scheduler or Ctrl-C likewise leaves every finished cell in place.
+
+The progress bar counts completed/total cells, cached ones included.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import copy
+import functools
 import hashlib
 import inspect
 import itertools
 import json
 import os
-import pickle
 import platform
 import re
 import sys
 import tempfile
 import time
+import warnings
+import weakref
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -96,9 +143,9 @@ from curvlab.config import git_revision
 from curvlab.progress import progress as progress_bar
 
 __all__ = [
-    "CACHE_ENV", "BACKEND_ENV", "DASK_SCHEDULER_ENV", "CLUSTER_BACKENDS", "CellError", "SweepIncomplete",
-    "MissingCells", "grid",
-    "sweep", "default_cache_dir", "cache_info", "clear_cache",
+    "CACHE_ENV", "BACKEND_ENV", "DASK_SCHEDULER_ENV", "CLUSTER_BACKENDS", "CACHE_FORMAT", "CellError",
+    "SweepIncomplete", "MissingCells", "CacheWarning", "grid",
+    "sweep", "default_cache_dir", "cache_info", "clear_cache", "code_reached",
 ]
 
 CACHE_ENV = "CURVLAB_CACHE_DIR"
@@ -254,21 +301,6 @@ def _sha(*parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-def _package_hash(modules: Sequence[str] | None = None) -> str:
-    """Hash of every ``*.py`` file of the installed ``curvlab`` package (paths and contents), or of ``modules``."""
-    root = Path(__file__).resolve().parent
-    if modules is not None:
-        files = []
-        for module in sorted(set(modules)):
-            path = root / (module.removeprefix("curvlab.").replace(".", "/") + ".py")
-            if not path.is_file():
-                raise ValueError(f"code_modules names {module!r}, which is not a module file of curvlab ({path})")
-            files.append(path)
-        return _sha(*itertools.chain.from_iterable((p.relative_to(root).as_posix(), p.read_bytes()) for p in files))
-    files = sorted(p for p in root.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(root).parts))
-    return _sha(*itertools.chain.from_iterable((p.relative_to(root).as_posix(), p.read_bytes()) for p in files))
-
-
 def _function_source(fn: Callable) -> str | None:
     try:
         return inspect.getsource(fn)
@@ -276,25 +308,282 @@ def _function_source(fn: Callable) -> str | None:
         return None
 
 
-def _module_source(fn: Callable) -> bytes | None:
-    """The source file of the module defining ``fn``; ``None`` for ``__main__`` and modules without a file."""
-    module_name = getattr(fn, "__module__", None)
+def _qualname(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+# ----------------------------------------------------------------------- the code a cell reaches (its key)
+#: What a cached cell's key covers; bump when the key's recipe or the file format changes (old cells then miss).
+CACHE_FORMAT = "curvlab-sweep-cell/2"
+_ROOT = Path(__file__).resolve().parent
+_PACKAGE = __name__.partition(".")[0]          # "curvlab"
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(text: bytes) -> ast.Module:
+    return ast.parse(text)
+
+
+def _module_file(root: Path, module: str) -> Path | None:
+    """The file of a ``curvlab`` module under ``root`` (the package folder): ``a.b`` -> ``a/b.py`` or
+    ``a/b/__init__.py``; ``None`` when there is none."""
+    if module == _PACKAGE:
+        return root / "__init__.py" if (root / "__init__.py").is_file() else None
+    if not module.startswith(_PACKAGE + "."):
+        return None
+    rel = Path(*module.split(".")[1:])
+    for cand in (root / rel.with_suffix(".py"), root / rel / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _imports(node: ast.AST, module: str, is_package: bool, root: Path) -> set[str]:
+    """The ``curvlab`` modules an import statement loads (a package's ``__init__`` only when it is imported by
+    name: ``import curvlab``, or ``from curvlab import <not a module>``)."""
+    found: set[str] = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            name = alias.name
+            if name == _PACKAGE or name.startswith(_PACKAGE + "."):
+                found.add(name)
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            parts = module.split(".") if is_package else module.split(".")[:-1]
+            parts = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
+            base = ".".join(parts + ([node.module] if node.module else []))
+        else:
+            base = node.module or ""
+        if base == _PACKAGE or base.startswith(_PACKAGE + "."):
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if _module_file(root, sub) is not None else base)
+    return {m for m in found if _module_file(root, m) is not None}
+
+
+_SNAPSHOTS: dict[str, tuple[Any, bytes]] = {}     # path: (weak reference to the module object, its text)
+
+
+def _module_text(path: Path, module: str, root: Path) -> bytes:
+    """The text of a module file as this process first read it while running that module (a module object in
+    ``sys.modules``): a file edited after its import keeps keying the code the process runs, not the edit, until
+    the module is reloaded or the process restarts. Files of modules not imported, or of another copy of the
+    package (``root``), are read as they are."""
+    loaded = sys.modules.get(module) if root == _ROOT else None
+    if loaded is not None and getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path.resolve():
+        ref, text = _SNAPSHOTS.get(str(path), (None, b""))
+        if ref is None or ref() is not loaded:
+            text = path.read_bytes()
+            _SNAPSHOTS[str(path)] = (weakref.ref(loaded), text)
+        return text
+    return path.read_bytes()
+
+
+def _module_closure(root: Path, modules: set[str]) -> dict[str, str]:
+    """``{module: sha of its file}`` for ``modules`` and every ``curvlab`` module they import, anywhere in the
+    file (functions' bodies included), transitively."""
+    todo, seen = sorted(modules), {}
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        path = _module_file(root, module)
+        if path is None:
+            continue
+        text = _module_text(path, module, root)
+        seen[module] = _sha(text)
+        todo.extend(_file_imports(text, module, path.name == "__init__.py", root) - set(seen))
+    return seen
+
+
+@functools.lru_cache(maxsize=256)
+def _file_imports(text: bytes, module: str, is_package: bool, root: Path) -> frozenset[str]:
+    """Every ``curvlab`` module a file imports, anywhere in it."""
+    return frozenset(m for node in ast.walk(_parse(text)) if isinstance(node, (ast.Import, ast.ImportFrom))
+                     for m in _imports(node, module, is_package, root))
+
+
+def _bound_names(stmt: ast.stmt) -> list[tuple[str, ast.alias | None]]:
+    """The module-level names a top-level statement binds (with the alias, for imports)."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [(stmt.name, None)]
+    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        return [((a.asname or a.name.partition(".")[0]) if isinstance(stmt, ast.Import) else (a.asname or a.name), a)
+                for a in stmt.names if a.name != "*"]
+    names = []
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.append((node.id, None))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append((node.name, None))
+    return names
+
+
+def _first_line(stmt: ast.stmt) -> int:
+    decorators = getattr(stmt, "decorator_list", [])
+    return min([stmt.lineno, *(d.lineno for d in decorators)])
+
+
+@functools.lru_cache(maxsize=256)
+def _statements_reached(text: bytes, module: str, is_package: bool, line: int, root: Path
+                        ) -> tuple[str, frozenset[str]]:
+    """From the top-level statement of a module file holding ``line`` (a function's definition), the statements
+    it reaches by name, transitively (helpers, constants, classes of the same file), and every ``curvlab``
+    module those statements import. Returns (sha of the statements' source, in file order; the modules)."""
+    tree = _parse(text)
+    lines = text.decode("utf-8", errors="replace").splitlines(keepends=True)
+    body = tree.body
+    binds: dict[str, list[tuple[int, ast.alias | None]]] = {}
+    always: list[int] = []
+    for i, stmt in enumerate(body):
+        names = _bound_names(stmt)
+        for name, alias in names:
+            binds.setdefault(name, []).append((i, alias))
+        docstring = i == 0 and isinstance(stmt, ast.Expr) and isinstance(getattr(stmt, "value", None), ast.Constant)
+        future = isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__"
+        if not names and not docstring and not future:
+            always.append(i)             # module-level code that binds nothing (a call, an attribute set) runs too
+    start = next((i for i, s in enumerate(body) if _first_line(s) <= line <= (s.end_lineno or s.lineno)), None)
+    if start is None:
+        raise ValueError(f"no top-level statement of {module} holds line {line}")
+    included: set[int] = set()
+    modules: set[str] = set()
+    todo = [start, *always]
+    while todo:
+        i = todo.pop()
+        if i in included:
+            continue
+        included.add(i)
+        stmt = body[i]
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            continue                     # reached by name: only the aliases used count (below)
+        for node in ast.walk(stmt):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules |= _imports(node, module, is_package, root)
+            elif isinstance(node, ast.Name):
+                for j, alias in binds.get(node.id, ()):
+                    if alias is not None:        # a top-level import: that alias's module only
+                        one = copy.copy(body[j])
+                        one.names = [alias]
+                        modules |= _imports(one, module, is_package, root)
+                        included.add(j)
+                    elif j not in included:
+                        todo.append(j)
+    source = "".join("".join(lines[_first_line(body[i]) - 1: body[i].end_lineno or body[i].lineno])
+                     for i in sorted(included))
+    return _sha(source), frozenset(modules)
+
+
+def _same_module_helpers(fn: Callable, seen: set[int] | None = None) -> list[str]:
+    """Sources of the functions of ``fn``'s own (file-less) module that ``fn`` names, transitively (a notebook's
+    helpers)."""
+    seen = set() if seen is None else seen
+    code = getattr(fn, "__code__", None)
+    if code is None or id(code) in seen:
+        return []
+    seen.add(id(code))
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    out = []
+    for name in sorted(names):
+        value = getattr(fn, "__globals__", {}).get(name)
+        if inspect.isfunction(value) and value.__module__ == fn.__module__ and id(value.__code__) not in seen:
+            out.append(_function_source(value) or "")
+            out += _same_module_helpers(value, seen)
+    return out
+
+
+def _target(fn: Callable) -> Any:
+    """The function (or class) whose definition a cell runs: ``fn`` unwrapped, a bound method's function."""
+    target = inspect.unwrap(fn) if callable(fn) else fn
+    return getattr(target, "__func__", target)
+
+
+def _own_file(fn: Callable, root: Path) -> tuple[bytes, str, bool, int] | None:
+    """``(file text, module name, is a package, first line)`` of ``fn``'s definition, read under ``root`` when the
+    file belongs to ``curvlab``; ``None`` for a function without a module file (a notebook's)."""
+    target = _target(fn)
+    module_name = getattr(target, "__module__", None)
     if not module_name or module_name == "__main__":
         return None
     path = getattr(sys.modules.get(module_name), "__file__", None)
     if not path or not str(path).endswith(".py") or not os.path.isfile(path):
         return None
-    return Path(path).read_bytes()
+    if inspect.isfunction(target):
+        if not os.path.samefile(target.__code__.co_filename, path) if os.path.isfile(target.__code__.co_filename) \
+                else True:
+            return None                  # made by exec() in that module: its file does not hold the source
+        line = target.__code__.co_firstlineno
+    elif inspect.isclass(target):
+        try:
+            line = inspect.getsourcelines(target)[1]
+        except (OSError, TypeError):
+            return None
+    else:
+        return None
+    path = Path(path).resolve()
+    if root != _ROOT and path.is_relative_to(_ROOT):   # the same file in another copy of the package (tests)
+        path = root / path.relative_to(_ROOT)
+    return _module_text(path, module_name, root), module_name, path.name == "__init__.py", line
 
 
-def _qualname(fn: Callable) -> str:
-    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+def _reach(fn: Callable, code_modules: Sequence[str] | None = None, root: Path | None = None
+           ) -> tuple[str, dict[str, str]]:
+    """What a cell's key covers besides its configuration: (digest of ``fn``'s own part, ``{module: file sha}``).
+
+    ``fn``'s own part is the source of the top-level statements of its file that its definition reaches by name
+    (its helpers, constants and classes there, transitively); the modules are every ``curvlab`` module those
+    statements import (at the top of the file or inside a function), and every module *those* import, anywhere
+    in their files, transitively (the static import graph of ``curvlab``), plus ``code_modules``. A function
+    without a module file (a notebook's) covers its source, its file-less helpers' and the whole package."""
+    root = _ROOT if root is None else root
+    modules: set[str] = set()
+    for module in code_modules or ():
+        full = module if module.startswith(_PACKAGE + ".") or module == _PACKAGE else f"{_PACKAGE}.{module}"
+        if _module_file(root, full) is None:
+            raise ValueError(f"code_modules names {module!r}, which is not a module file of {_PACKAGE} ({root})")
+        modules.add(full)
+    own = _own_file(fn, root)
+    if own is not None:
+        text, module_name, is_package, line = own
+        digest, reached = _statements_reached(text, module_name, is_package, line, root)
+        reached = set(reached)
+        if module_name.startswith(_PACKAGE + ".") or module_name == _PACKAGE:
+            reached.discard(module_name)             # its own file counts statement by statement
+        modules |= reached
+    else:
+        target = _target(fn)
+        digest = _sha(_function_source(target) or "", *_same_module_helpers(target))
+        modules |= {f"{_PACKAGE}.{p.relative_to(root).with_suffix('').as_posix().replace('/', '.')}"
+                    .removesuffix(".__init__") for p in root.rglob("*.py")
+                    if not any(part.startswith(".") for part in p.relative_to(root).parts)}
+    return digest, _module_closure(root, modules)
 
 
-def _code_hash(fn: Callable, name: str | None, code_version: str | None,
-               code_modules: Sequence[str] | None = None) -> str:
-    """Hash of the code a cell depends on: ``fn``, its module file, the curvlab package (or only
-    ``code_modules``), ``code_version``."""
+def code_reached(fn: Callable, code_modules: Sequence[str] | None = None) -> list[str]:
+    """The ``curvlab`` modules whose files are in ``fn``'s cache key (besides the statements of ``fn``'s own
+    file that it reaches): the static import graph of the package from ``fn``'s definition; see the module notes.
+
+    Examples
+    --------
+    >>> from curvlab import paper_runs
+    >>> "curvlab.linalg" in code_reached(paper_runs.ch31_depth_law)
+    True
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    return sorted(_reach(fn, code_modules)[1])
+
+
+def _code_identity(fn: Callable, name: str | None, code_version: str | None,
+                   code_modules: Sequence[str] | None = None, root: Path | None = None) -> tuple[str, list[str]]:
+    """(hash of the code a cell depends on, the ``curvlab`` modules in it). The hash covers :func:`_reach`
+    (``fn``'s statements, the modules reached, ``code_modules``), ``code_version`` and the cache format.
+    ``root``: another copy of the package folder, read instead of the installed one (tests)."""
     source = _function_source(fn)
     if source is None and (name is None or code_version is None):
         raise ValueError(
@@ -302,14 +591,16 @@ def _code_hash(fn: Callable, name: str | None, code_version: str | None,
             "pass name='...' and code_version='...' (and change code_version whenever fn changes), "
             "or cache_dir=False"
         )
-    module = _module_source(fn)
-    return _sha(
-        _qualname(fn),
-        source or "",
-        _sha(module) if module is not None else "",
-        _package_hash(code_modules),
-        code_version or "",
-    )
+    digest, modules = _reach(fn, code_modules, root)
+    code = _sha(CACHE_FORMAT, _qualname(fn), source or "", digest,
+                *(f"{module}={sha}" for module, sha in sorted(modules.items())), code_version or "")
+    return code, sorted(modules)
+
+
+def _code_hash(fn: Callable, name: str | None, code_version: str | None,
+               code_modules: Sequence[str] | None = None, root: Path | None = None) -> str:
+    """The first half of :func:`_code_identity`: the hash in every cell's key."""
+    return _code_identity(fn, name, code_version, code_modules, root)[0]
 
 
 def _default_name(fn: Callable) -> str:
@@ -344,13 +635,131 @@ def _resolve_cache_dir(cache_dir: Any) -> Path | None:
     )
 
 
-def _write_atomic(path: Path, payload: Any) -> None:
-    """Pickle ``payload`` to a temporary file next to ``path``, then move it into place."""
+class CacheWarning(UserWarning):
+    """A file in the sweep cache was not used: an old pickle cell (never unpickled), or a cell whose recorded key,
+    configuration, code hash or content does not match (copied, renamed, swapped, edited or corrupt). The cell
+    is recomputed (and its file replaced)."""
+
+
+_CELL_SUFFIX = ".npz"
+_OLD_SUFFIX = ".pkl"
+_MAX_JSON = 1 << 30
+
+
+def _json_value(where: str, value: Any) -> Any:
+    """A result value as JSON data that reads back as the same value (complex numbers and tuples tagged)."""
+    if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value
+    if isinstance(value, complex):
+        return {"__complex__": [value.real, value.imag]}
+    if isinstance(value, (list, tuple)):
+        items = [_json_value(where, v) for v in value]
+        return items if isinstance(value, list) else {"__tuple__": items}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"__dict__": {k: _json_value(where, v) for k, v in value.items()}}
+    raise TypeError(f"{where} holds a {type(value).__name__}, which the sweep cache cannot store; results must be "
+                    "numbers, strings, bools, None, or lists/tuples/dicts of them (or numeric DataFrame columns)")
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        if "__complex__" in value:
+            re_, im = value["__complex__"]
+            return complex(re_, im)
+        if "__tuple__" in value:
+            return tuple(_from_json(v) for v in value["__tuple__"])
+        if "__dict__" in value:
+            return {k: _from_json(v) for k, v in value["__dict__"].items()}
+        raise ValueError(f"unknown tagged value {sorted(value)}")
+    return value
+
+
+def _encode_rows(rows: list[dict[str, Any]] | pd.DataFrame) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Rows as (JSON spec, arrays): dict rows entirely as JSON; a frame's numeric, bool and datetime columns as
+    ``.npy`` arrays, the others as JSON lists."""
+    if not isinstance(rows, pd.DataFrame):
+        return {"kind": "records", "records": [{k: _json_value(f"column {k!r}", v) for k, v in row.items()}
+                                               for row in rows]}, {}
+    arrays: dict[str, np.ndarray] = {}
+    columns = []
+    for j, name in enumerate(rows.columns):
+        col = rows.iloc[:, j]
+        label = _json_value(f"a column name ({name!r})", name)
+        if isinstance(col.dtype, np.dtype) and col.dtype.kind in "biufcmM":
+            arrays[f"c{j}"] = np.ascontiguousarray(col.to_numpy())
+            columns.append({"name": label, "store": "npy"})
+        else:
+            columns.append({"name": label, "store": "json", "dtype": str(col.dtype),
+                            "values": [None if v is pd.NA else _json_value(f"column {name!r}", v) for v in col]})
+    return {"kind": "frame", "length": len(rows), "columns": columns}, arrays
+
+
+def _decode_rows(spec: dict[str, Any], arrays: Mapping[str, np.ndarray]) -> list[dict[str, Any]] | pd.DataFrame:
+    if spec["kind"] == "records":
+        return [{k: _from_json(v) for k, v in row.items()} for row in spec["records"]]
+    data, names = {}, []
+    for j, col in enumerate(spec["columns"]):
+        if col["store"] == "npy":
+            values = arrays[f"c{j}"]
+        else:
+            values = pd.Series([_from_json(v) for v in col["values"]], dtype=object)
+            if col.get("dtype") not in (None, "object"):
+                with contextlib.suppress(TypeError, ValueError):
+                    values = values.astype(col["dtype"])
+        if len(values) != spec["length"]:
+            raise ValueError(f"column {j} holds {len(values)} values, expected {spec['length']}")
+        data[j] = values
+        names.append(_from_json(col["name"]))
+    frame = pd.DataFrame(data, index=pd.RangeIndex(spec["length"]))
+    frame.columns = names
+    return frame
+
+
+def _content_digest(spec: dict[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
+    parts: list[str | bytes] = [json.dumps(spec, sort_keys=True, allow_nan=True)]
+    for name in sorted(arrays):
+        a = arrays[name]
+        parts += [name, a.dtype.str, repr(a.shape), a.tobytes()]
+    return _sha(*parts)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where the system tells (Linux), else by setting it back."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _write_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write a cell (``{"rows", "provenance"}``) to a temporary file next to ``path``, then move it into place.
+
+    The file is an uncompressed ``.npz`` (a zip of ``.npy`` files, no pickles): ``meta`` is the JSON of the key,
+    name, configuration, code hash, provenance, a digest of the content and the rows (or, for a frame, its
+    non-numeric columns); ``c<j>`` the frame's numeric columns. Its mode is ``0o666`` less the umask, as for any
+    file the user writes (``0644`` under the common umask ``022``; ``0664`` under ``002``, for a group's cache)."""
+    prov = payload["provenance"]
+    spec, arrays = _encode_rows(payload["rows"])
+    meta = {"format": CACHE_FORMAT, "key": path.stem, "name": prov.get("name"), "config_json": prov["config_json"],
+            "code_hash": prov.get("code_hash"), "digest": _content_digest(spec, arrays),
+            "provenance": {k: _json_value(f"provenance[{k!r}]", v) for k, v in prov.items() if k != "config_json"},
+            "rows": spec}
+    blob = np.frombuffer(json.dumps(meta, allow_nan=True).encode(), dtype=np.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            pickle.dump(payload, fh, protocol=pickle.HIGHEST_PROTOCOL)
+            np.savez(fh, meta=blob, **arrays)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -358,17 +767,66 @@ def _write_atomic(path: Path, payload: Any) -> None:
         raise
 
 
-def _load_cell(path: Path) -> dict[str, Any] | None:
-    """A cached cell, or ``None`` when missing or unreadable (it is then recomputed and overwritten)."""
+def _read_meta(path: Path) -> tuple[dict[str, Any], Any]:
+    """The meta record of a cell file and the open archive, refusing anything but a plain zip of ``.npy`` files
+    (nothing is unpickled: ``allow_pickle=False``)."""
+    size = path.stat().st_size
+    with zipfile.ZipFile(path) as zf:
+        infos = zf.infolist()
+        names = [i.filename for i in infos]
+        if "meta.npy" not in names or any(not re.fullmatch(r"meta\.npy|c\d+\.npy", n) for n in names):
+            raise ValueError(f"unexpected members {names}")
+        if any(i.compress_type != zipfile.ZIP_STORED for i in infos) or sum(i.file_size for i in infos) > size:
+            raise ValueError("compressed members (cells are written uncompressed)")
+    archive = np.load(path, allow_pickle=False)
+    raw = archive["meta"]
+    if raw.dtype != np.uint8 or raw.ndim != 1 or raw.size > _MAX_JSON:
+        raise ValueError("meta is not JSON bytes")
+    meta = json.loads(raw.tobytes().decode())
+    if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT:
+        raise ValueError(f"format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+                         f"expected {CACHE_FORMAT!r}")
+    if meta.get("key") != path.stem:
+        raise ValueError(f"it records the key {str(meta.get('key'))[:32]!r}: a cell copied or renamed from "
+                         "another key")
+    return meta, archive
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, CacheWarning, stacklevel=4)
+
+
+def _load_cell(path: Path, expect: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """A cached cell verified against ``expect`` (``name``, ``config_json``, ``code_hash``), or ``None`` when it
+    is missing or refused (with a :class:`CacheWarning`; it is then recomputed and overwritten)."""
     try:
-        with open(path, "rb") as fh:
-            payload = pickle.load(fh)
+        meta, archive = _read_meta(path)
+        with archive:
+            arrays = {n: archive[n] for n in archive.files if n != "meta"}
+        spec = meta["rows"]
+        if _content_digest(spec, arrays) != meta.get("digest"):
+            raise ValueError("its content does not match its recorded digest (an edited or damaged file)")
+        for field in ("name", "config_json", "code_hash"):
+            if expect is not None and meta.get(field) != expect[field]:
+                what = {"name": "experiment", "config_json": "configuration", "code_hash": "code hash"}[field]
+                raise ValueError(f"it records another {what} ({str(meta.get(field))[:80]!r}, expected "
+                                 f"{str(expect[field])[:80]!r}): a cell copied, renamed or swapped")
+        rows = _decode_rows(spec, arrays)
     except FileNotFoundError:
         return None
-    except Exception:  # a cell written by an incompatible pandas, say: recompute it
+    except Exception as exc:  # noqa: BLE001 - anything wrong with a file is a miss, said out loud
+        _warn(f"sweep cache: ignoring {path} ({type(exc).__name__}: {exc}); the cell is recomputed")
         return None
-    ok = isinstance(payload, dict) and "rows" in payload and isinstance(payload.get("provenance"), dict)
-    return payload if ok else None
+    prov = {**{k: _from_json(v) for k, v in meta["provenance"].items()}, "config_json": meta["config_json"]}
+    return {"rows": rows, "provenance": prov}
+
+
+def _old_cells(folder: Path) -> None:
+    """Warn about pickle cells of an older curvlab in ``folder``: never unpickled, never served."""
+    old = sorted(folder.glob(f"*{_OLD_SUFFIX}")) if folder.is_dir() else []
+    if old:
+        _warn(f"sweep cache: {len(old)} pickle cell(s) of an older curvlab in {folder} are ignored (a pickle can "
+              "run code, so they are never opened); clear_cache() deletes them")
 
 
 # ---------------------------------------------------------------------------------- running a cell
@@ -417,6 +875,22 @@ def _device_of(rows: list[dict[str, Any]] | pd.DataFrame) -> str | None:
     return ", ".join(found) if found else None
 
 
+def _threads() -> dict[str, Any]:
+    """The thread counts a cell ran with: torch's intra- and inter-op pools, the OpenMP and BLAS pools
+    (:mod:`threadpoolctl`, when installed) and ``$OMP_NUM_THREADS`` (results can differ across thread counts in
+    the last bits, so the provenance records them)."""
+    pools: dict[str, int] = {}
+    with contextlib.suppress(Exception):
+        from threadpoolctl import threadpool_info
+
+        for info in threadpool_info():
+            api = str(info.get("user_api"))
+            pools[api] = max(pools.get(api, 0), int(info.get("num_threads", 0)))
+    return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+            "openmp_threads": pools.get("openmp"), "blas_threads": pools.get("blas"),
+            "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS")}
+
+
 def _run_cell(fn: Callable, index: int, config: dict[str, Any], path: Path | None, meta: dict[str, Any]):
     """Compute one cell in a worker and, when caching, write it to ``path`` at once."""
     where = f"configs[{index}] = {config!r}"
@@ -436,7 +910,9 @@ def _run_cell(fn: Callable, index: int, config: dict[str, Any], path: Path | Non
         provenance = {
             **meta,
             "config": config,
+            "config_json": _config_json("config", config),
             "device": _device_of(rows),
+            **_threads(),
             "host": platform.node(),
             "wall_s": wall_s,
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -575,6 +1051,66 @@ def _dask_client(n_jobs: int | None, client: Any = None):
                 thing.close()
 
 
+#: Ray's switch (read by ``ray._private.services``) that makes a node's address the loopback one; set for a local
+#: Ray started by :func:`sweep`, so that every one of its servers listens on 127.0.0.1 only.
+_RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _ray_local_init_kwargs(n_jobs: int | None) -> dict[str, Any]:
+    """The arguments of ``ray.init`` for a local Ray started by :func:`sweep`: loopback only, no dashboard."""
+    return {"_node_ip_address": "127.0.0.1", "include_dashboard": False, "dashboard_host": "127.0.0.1",
+            "log_to_driver": False, "ignore_reinit_error": True,
+            "num_cpus": n_jobs if n_jobs and n_jobs > 0 else None}
+
+
+@contextlib.contextmanager
+def _ray_runtime(n_jobs: int | None):
+    """Ray for one :func:`sweep` call: the cluster at ``$RAY_ADDRESS`` when set (its security is its owner's), the
+    Ray this process already runs, else a local Ray bound to the loopback interface, shut down after the call.
+
+    Ray resolves a node address of ``127.0.0.1`` to the machine's outward address unless its cluster mode is off
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when its servers start): both are set here, so the GCS, the
+    raylet, the object manager, the agents and the workers listen on 127.0.0.1 only (tests/test_sweep_cluster.py
+    lists the started processes' listening sockets)."""
+    try:
+        import ray
+        from ray.util.joblib import register_ray
+    except ImportError as exc:
+        raise ImportError('backend="ray" needs ray: pip install "curvlab[cluster]" (or pip install ray)') from exc
+    register_ray()
+    if ray.is_initialized():
+        yield
+        return
+    if os.environ.get("RAY_ADDRESS", "").strip():
+        ray.init(log_to_driver=False, ignore_reinit_error=True)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+        return
+    saved_env = os.environ.get(_RAY_LOOPBACK_ENV)
+    constants = None
+    with contextlib.suppress(Exception):
+        from ray._private import ray_constants as constants
+    saved_flag = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[_RAY_LOOPBACK_ENV] = "0"
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(**_ray_local_init_kwargs(n_jobs))
+        try:
+            yield
+        finally:
+            ray.shutdown()
+    finally:
+        if saved_env is None:
+            os.environ.pop(_RAY_LOOPBACK_ENV, None)
+        else:
+            os.environ[_RAY_LOOPBACK_ENV] = saved_env
+        if constants is not None and saved_flag is not None:
+            constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
 @contextlib.contextmanager
 def _backend_context(backend: str | None, n_jobs: int | None):
     """The joblib configuration cells run under (not Dask's: see :func:`_compute_dask`); yields the ``n_jobs`` to
@@ -582,22 +1118,9 @@ def _backend_context(backend: str | None, n_jobs: int | None):
     import joblib
 
     if backend == "ray":
-        try:
-            import ray
-            from ray.util.joblib import register_ray
-        except ImportError as exc:
-            raise ImportError('backend="ray" needs ray: pip install "ray[default]"') from exc
-        register_ray()
-        started = not ray.is_initialized()
-        if started:  # $RAY_ADDRESS, when set, names a running cluster; else a local Ray for this call
-            ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-                     **({} if os.environ.get("RAY_ADDRESS") else {"num_cpus": n_jobs if n_jobs and n_jobs > 0 else None}))
-        try:
+        with _ray_runtime(n_jobs):
             with joblib.parallel_config(backend="ray"):
                 yield -1 if n_jobs is None else n_jobs
-        finally:
-            if started:
-                ray.shutdown()
     elif backend is not None:
         with joblib.parallel_config(backend=backend):
             yield n_jobs
@@ -649,8 +1172,10 @@ def _compute_dask(client, fn, configs, paths, todo, meta, *, show, desc, receive
     return lost
 
 
-def _compute(fn, configs, paths, todo, meta, *, n_jobs, backend, show, desc) -> dict[int, tuple[Any, float]]:
-    """Run the missing cells ``todo``, ticking a bar of completed/total cells as each one finishes."""
+def _compute(fn, configs, paths, todo, meta, *, n_jobs, backend, show, desc, refused=frozenset()
+             ) -> dict[int, tuple[Any, float]]:
+    """Run the missing cells ``todo``, ticking a bar of completed/total cells as each one finishes (``refused``:
+    cells whose file was refused, which the driver rewrites)."""
     if not todo:
         return {}
     if isinstance(n_jobs, int) and n_jobs > 0:
@@ -658,8 +1183,9 @@ def _compute(fn, configs, paths, todo, meta, *, n_jobs, backend, show, desc) -> 
     done: dict[int, tuple[Any, float]] = {}
 
     def receive(i, rows, wall_s, provenance):
-        if paths[i] is not None and provenance is not None and not paths[i].exists():
-            _write_atomic(paths[i], {"rows": rows, "provenance": provenance})  # the worker could not write it
+        # the worker could not write it (or a refused file is still in the way): the driver does
+        if paths[i] is not None and provenance is not None and (not paths[i].exists() or i in refused):
+            _write_atomic(paths[i], {"rows": rows, "provenance": provenance})
         done[i] = (rows, wall_s)
 
     context_client = _active_dask_client() if backend is None else None
@@ -741,9 +1267,8 @@ def sweep(
     code_version
         Extra string in the cache key: change it when something the hash cannot see changes (see module notes).
     code_modules
-        Hash only these ``curvlab`` modules (``"meanfield"``, ...) besides ``fn`` and its module, instead of the whole
-        package: for long runs (:mod:`curvlab.paper_runs`) that an edit elsewhere in the library must not
-        invalidate. The modules ``fn`` uses are then the caller's to list.
+        Extra ``curvlab`` modules (``"meanfield"``, ...) whose files, and whose imports, the key covers besides the
+        code ``fn`` reaches (:func:`code_reached`), for code reached without an import statement.
     compute
         ``False``: only read the cache, raising :class:`MissingCells` when a cell is not there.
 
@@ -785,18 +1310,27 @@ def sweep(
         raise TypeError(f"compute must be a bool, got {type(compute).__name__}")
     if not compute and root is None:
         raise ValueError("compute=False reads the cache, so cache_dir must not be False")
+    refused: set[int] = set()
     if root is not None:
-        code = _code_hash(fn, name, code_version, code_modules)
-        paths = [root / label / f"{_sha(key, code)[:32]}.pkl" for key in keys]
-        found = {i: cell for i, path in enumerate(paths) if (cell := _load_cell(path)) is not None}
-        meta = {"name": label, "code_hash": code, "code_version": code_version}
+        code, reached = _code_identity(fn, name, code_version, code_modules)
+        paths = [root / label / f"{_sha(key, code)[:32]}{_CELL_SUFFIX}" for key in keys]
+        _old_cells(root / label)
+        for i, path in enumerate(paths):
+            cell = _load_cell(path, {"name": label, "config_json": keys[i], "code_hash": code})
+            if cell is not None:
+                found[i] = cell
+            elif path.exists():
+                refused.add(i)
+        meta = {"name": label, "code_hash": code, "code_version": code_version,
+                "code_modules": reached}
     todo = [i for i in range(len(configs)) if i not in found]
     if todo and not compute:
         raise MissingCells(f"{len(todo)} of {len(configs)} cells of {label!r} are not in the cache {root}",
                            len(found), [configs[i] for i in todo])
     if todo and root is not None:
         meta |= {"revision": git_revision(), "torch": torch.__version__, "python": platform.python_version()}
-    computed = _compute(fn, configs, paths, todo, meta, n_jobs=n_jobs, backend=backend, show=progress, desc=label)
+    computed = _compute(fn, configs, paths, todo, meta, n_jobs=n_jobs, backend=backend, show=progress, desc=label,
+                        refused=refused)
     cells = [
         (found[i]["rows"], True, found[i]["provenance"].get("wall_s", float("nan"))) if i in found
         else (computed[i][0], False, computed[i][1])
@@ -821,20 +1355,28 @@ def _folders(cache_dir: Any, name: str | None) -> list[Path]:
 
 
 def _cell_files(cache_dir: Any, name: str | None) -> list[Path]:
-    return sorted(f for folder in _folders(cache_dir, name) for f in folder.glob("*.pkl"))
+    folders = _folders(cache_dir, name)
+    for folder in folders:
+        _old_cells(folder)
+    return sorted(f for folder in folders for f in folder.glob(f"*{_CELL_SUFFIX}"))
 
 
 def cache_info(cache_dir: str | os.PathLike | None = None, name: str | None = None) -> pd.DataFrame:
     """One row per cached cell with its provenance (for all experiments, or only ``name``'s).
 
     Columns: ``name``, ``key``, ``bytes``, ``config`` (JSON), ``code_hash``, ``code_version``, ``revision``,
-    ``torch``, ``device``, ``host``, ``wall_s``, ``timestamp``. Cells of superseded code show an old ``code_hash``.
+    ``torch``, ``device``, ``host``, ``torch_threads``, ``openmp_threads``, ``blas_threads``, ``wall_s``,
+    ``timestamp``. Cells of superseded code show an old ``code_hash``. A file that is not a valid cell (an old
+    pickle, a cell renamed from another key, an edited one) is left out with a :class:`CacheWarning`; nothing in
+    the folder is unpickled.
     """
     columns = ["name", "key", "bytes", "config", "code_hash", "code_version", "revision", "torch", "device",
-               "host", "wall_s", "timestamp"]
+               "host", "torch_threads", "openmp_threads", "blas_threads", "wall_s", "timestamp"]
     records = []
     for path in _cell_files(cache_dir, name):
         cell = _load_cell(path)
+        if cell is None:
+            continue
         prov = dict(cell["provenance"]) if cell is not None else {}
         config = prov.pop("config", None)
         records.append({
@@ -850,12 +1392,12 @@ def cache_info(cache_dir: str | os.PathLike | None = None, name: str | None = No
 def clear_cache(cache_dir: str | os.PathLike | None = None, name: str | None = None) -> int:
     """Delete the cached cells (all experiments, or only ``name``'s) and leftover temporary files.
 
-    Only ``<cache_dir>/<name>/*.pkl`` and ``*.tmp`` files are removed, then empty experiment folders.
-    Returns the number of cells deleted.
+    Only ``<cache_dir>/<name>/*.npz`` cells (and ``*.pkl`` cells of older curvlab versions) and ``*.tmp`` files
+    are removed, then empty experiment folders. Returns the number of cells deleted.
     """
     removed = 0
     for folder in _folders(cache_dir, name):
-        for path in folder.glob("*.pkl"):
+        for path in [*folder.glob(f"*{_CELL_SUFFIX}"), *folder.glob(f"*{_OLD_SUFFIX}")]:
             path.unlink(missing_ok=True)
             removed += 1
         for tmp in folder.glob(".*.tmp"):
