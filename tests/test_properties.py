@@ -57,6 +57,7 @@ SKIP = {
     "paper_runs.section": "reads the sweep cache of a paper-scale run; tested in test_sweep_cluster",
     "meanfield.load_mnist": "reads MNIST from disk (absent in CI); tested in test_meanfield",
     "meanfield.mnist_data": "reads MNIST from disk (absent in CI); tested in test_meanfield",
+    "data.load_mnist": "reads MNIST from disk (absent in CI); tested in test_data",
     "sweep.sweep": "runs a user callback over a grid into a disk cache; tested in test_sweep",
     "plotting.show": "displays a figure (IPython display); tested in test_setup",
     "config.seed_everything": "mutates the global RNG state of the test process",
@@ -78,9 +79,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "checks.evidence_summary": "records = a 0-d tensor: TypeError 'iteration over a 0-d tensor' names no argument",
     "meanfield.gd_step": "params=None: AttributeError \"'NoneType' object has no attribute 'axpy'\"",
     "meanfield.gn_step": "params=None: AttributeError \"'NoneType' object has no attribute 'axpy'\"",
-    "meanfield.read_idx": "path=None: TypeError 'expected str, bytes or os.PathLike object' names no argument",
-    "meanfield.write_idx": "path=None: TypeError 'expected str, bytes or os.PathLike object' names no argument",
-    "meanfield.mnist_available": "root=3: TypeError 'expected str, bytes or os.PathLike object' names no argument",
     "meanfield.load_digits_data": "device='nodevice': RuntimeError 'Expected one of cpu, cuda, ...' (not naming "
                                   "device)",
     "precond.newton_schulz_scalar": "returns NaN for a NaN (or inf) x instead of refusing it",

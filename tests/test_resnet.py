@@ -143,7 +143,7 @@ def _write_fake_cifar(root, sizes=(3, 2, 2, 1, 2), n_test=2, protocol=2):
 def test_loader_reads_made_batches_exactly(tmp_path, protocol):
     d, truth = _write_fake_cifar(tmp_path, protocol=protocol)
     for split, n in (("train", 10), ("test", 2)):
-        images, labels = R.load_cifar10(tmp_path, split)
+        images, labels = R.load_cifar10(tmp_path, split, verify=False)
         assert images.shape == (n, 3, 32, 32) and images.dtype == np.uint8
         assert labels.shape == (n,) and labels.dtype == np.uint8
         data, lab = truth[split]
@@ -153,7 +153,7 @@ def test_loader_reads_made_batches_exactly(tmp_path, protocol):
         i, k = n - 1, 1024 * 2 + 32 * 5 + 7
         assert images[i, 2, 5, 7] == data[i, k]
     # the batches folder itself is also a valid root; batches are concatenated in order 1..5
-    images, labels = R.load_cifar10(d, "train")
+    images, labels = R.load_cifar10(d, "train", verify=False)
     np.testing.assert_array_equal(labels[:3], [1, 2, 3])
     np.testing.assert_array_equal(labels[3:5], [2, 3])
     np.testing.assert_array_equal(images[3].reshape(-1), _fake_batch(2, 20)[0][0])
@@ -164,35 +164,35 @@ def test_loader_root_from_environment(tmp_path, monkeypatch):
     _write_fake_cifar(tmp_path)
     monkeypatch.setenv(R.CIFAR10_ENV, str(tmp_path))
     assert R.cifar10_available()
-    assert R.load_cifar10(split="test")[0].shape == (2, 3, 32, 32)
+    assert R.load_cifar10(split="test", verify=False)[0].shape == (2, 3, 32, 32)
     monkeypatch.delenv(R.CIFAR10_ENV)
     assert not R.cifar10_available()
     with pytest.raises(ValueError, match=r"root.*\$CURVLAB_CIFAR10_DIR.*cifar-10-python.tar.gz"):
-        R.load_cifar10()
+        R.load_cifar10(verify=False)
 
 
 def test_loader_errors(tmp_path):
     with pytest.raises(ValueError, match=r"root .*does not hold the CIFAR-10 train batches.*CURVLAB_CIFAR10_DIR"):
-        R.load_cifar10(tmp_path / "nowhere")
+        R.load_cifar10(tmp_path / "nowhere", verify=False)
     assert not R.cifar10_available(tmp_path / "nowhere")
     d, _ = _write_fake_cifar(tmp_path)
     with pytest.raises(ValueError, match="split must be one of"):
-        R.load_cifar10(tmp_path, "validation")
+        R.load_cifar10(tmp_path, "validation", verify=False)
     with pytest.raises(TypeError, match="root"):
-        R.load_cifar10(3)
+        R.load_cifar10(3, verify=False)
     with pytest.raises(TypeError, match="root"):
         R.cifar10_available(3)
     # a missing batch
     (d / "data_batch_4").unlink()
     assert not R.cifar10_available(tmp_path)
     with pytest.raises(ValueError, match=r"data_batch_4"):
-        R.load_cifar10(tmp_path)
-    R.load_cifar10(tmp_path, "test")                                   # the other split still loads
+        R.load_cifar10(tmp_path, verify=False)
+    R.load_cifar10(tmp_path, "test", verify=False)                     # the other split still loads
     # a truncated (corrupt) batch
     raw = (d / "data_batch_1").read_bytes()
     (d / "data_batch_4").write_bytes(raw[: len(raw) // 2])
     with pytest.raises(ValueError, match=r"corrupt CIFAR-10 batch .*data_batch_4"):
-        R.load_cifar10(tmp_path)
+        R.load_cifar10(tmp_path, verify=False)
 
 
 @pytest.mark.parametrize("payload, match", [
@@ -208,7 +208,7 @@ def test_loader_rejects_malformed_batches(tmp_path, payload, match):
     with open(d / "test_batch", "wb") as fh:
         pickle.dump(payload, fh, protocol=2)
     with pytest.raises(ValueError, match=match):
-        R.load_cifar10(tmp_path, "test")
+        R.load_cifar10(tmp_path, "test", verify=False)
 
 
 class _Evil:
@@ -221,13 +221,13 @@ def test_loader_refuses_code_in_a_pickle(tmp_path, capsys):
     with open(d / "test_batch", "wb") as fh:
         pickle.dump({b"data": _Evil(), b"labels": [0]}, fh)
     with pytest.raises(ValueError, match="not allowed in a CIFAR-10 batch"):
-        R.load_cifar10(tmp_path, "test")
+        R.load_cifar10(tmp_path, "test", verify=False)
     assert "pickle ran code" not in capsys.readouterr().out
 
 
 def test_cifar10_subset(tmp_path):
     _, truth = _write_fake_cifar(tmp_path)
-    X, y = R.cifar10_subset(6, 4, root=tmp_path)
+    X, y = R.cifar10_subset(6, 4, root=tmp_path, verify=False)
     assert X.shape == (6, 3, 32, 32) and X.dtype == F64 and y.dtype == torch.int64
     idx = np.random.default_rng(4).permutation(10)[:6]
     np.testing.assert_array_equal(y.numpy(), truth["train"][1][idx])
@@ -235,9 +235,9 @@ def test_cifar10_subset(tmp_path):
     mean, std = raw.mean(dim=(0, 2, 3), keepdim=True), raw.std(dim=(0, 2, 3), keepdim=True, correction=0)
     torch.testing.assert_close(X, (raw - mean) / std, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(X.mean(dim=(0, 2, 3)), torch.zeros(3, dtype=F64), rtol=0, atol=1e-12)
-    assert R.cifar10_subset(2, 0, root=tmp_path, split="test", dtype=torch.float32)[0].dtype == torch.float32
+    assert R.cifar10_subset(2, 0, root=tmp_path, split="test", dtype=torch.float32, verify=False)[0].dtype == torch.float32
     with pytest.raises(ValueError, match="n must be <= 10"):
-        R.cifar10_subset(11, 0, root=tmp_path)
+        R.cifar10_subset(11, 0, root=tmp_path, verify=False)
 
 
 def test_digits_subset():
@@ -379,6 +379,8 @@ def test_cell_on_digits():
 def test_cell_on_made_cifar_files(tmp_path, monkeypatch):
     _write_fake_cifar(tmp_path)
     monkeypatch.setenv(R.CIFAR10_ENV, str(tmp_path))
+    real = R.cifar10_subset                                  # the cell reads official files only; these are made
+    monkeypatch.setattr(R, "cifar10_subset", lambda *a, **k: real(*a, **k, verify=False))
     f = R.pruned_resnet_cell(0.2, 4, [0], 1, 1, 1, "cifar10", 1e-3, norm="none")
     assert f["step"].tolist() == [0, 1] and (f["size"] == 40).all()
     monkeypatch.delenv(R.CIFAR10_ENV)
@@ -457,3 +459,119 @@ def test_network_and_gram_bad_input():
         R.jacobian_gram(net, masks, X, max_bytes=0)
     with pytest.raises(ValueError, match="width"):
         R.forward_flops(0)
+
+
+# ------------------------------------------------------------------------ hostile CIFAR-10 batches (issue 26)
+def _g(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _u(text: str) -> bytes:                                    # BINUNICODE
+    raw = text.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def _b(raw: bytes) -> bytes:                                    # BINBYTES
+    return b"B" + len(raw).to_bytes(4, "little") + raw
+
+
+def _i(v: int) -> bytes:                                       # BININT, or LONG1 beyond 32 bits
+    if -2 ** 31 <= v < 2 ** 31:
+        return b"J" + v.to_bytes(4, "little", signed=True)
+    raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+_U1 = _g("numpy", "dtype") + b"(" + _u("u1") + _i(0) + _i(1) + b"tR(" + _i(3) + _u("|") + b"NNN" + _i(-1) \
+    + _i(-1) + _i(0) + b"tb"
+
+
+def _batch(data: bytes, labels: bytes = b"]") -> bytes:
+    """A protocol-3 pickle ``{b'data': <data>, b'labels': <labels>}`` from raw opcodes."""
+    return b"\x80\x03}(" + _b(b"data") + data + _b(b"labels") + labels + b"u."
+
+
+def _array(shape: tuple, payload: bytes, dtype: bytes = _U1) -> bytes:
+    """numpy's own encoding: _reconstruct(ndarray, (0,), b'b') filled by BUILD (1, shape, dtype, False, data)."""
+    return (_g("numpy.core.multiarray", "_reconstruct") + b"(" + _g("numpy", "ndarray") + b"(" + _i(0) + b"t"
+            + _b(b"b") + b"tR(" + _i(1) + b"(" + b"".join(_i(s) for s in shape) + b"t" + dtype + b"\x89"
+            + _b(payload) + b"tb")
+
+
+def _load_hostile(tmp_path, raw: bytes, verify: bool = False):
+    d = tmp_path / "cifar-10-batches-py"
+    d.mkdir(exist_ok=True)
+    (d / "test_batch").write_bytes(raw)
+    return R.load_cifar10(tmp_path, "test", verify=verify)
+
+
+def test_hand_made_pickles_are_what_numpy_writes(tmp_path):
+    """The opcodes of these tests load as numpy's own pickles do (so the hostile variants below differ from a
+    valid batch only where they say)."""
+    X, y = _load_hostile(tmp_path, _batch(_array((2, 3072), bytes(range(256)) * 24), b"](" + _i(3) + _i(9) + b"e"))
+    assert X.shape == (2, 3, 32, 32) and X.reshape(-1)[:256].tolist() == list(range(256)) and y.tolist() == [3, 9]
+
+
+@pytest.mark.parametrize("raw, match", [
+    # numpy.ndarray called directly: 4,000 images of uninitialised memory from a 100-byte file
+    (_batch(_g("numpy", "ndarray") + b"((" + _i(4000) + _i(3072) + b"t" + _u("u1") + b"tR"), "called directly"),
+    # a header declaring 200,000 and 10^8 images over a few bytes of data
+    (_batch(_array((200_000, 3072), b"\0" * 3000)), "declares shape"),
+    (_batch(_array((10 ** 8, 3072), b"\0" * 3000)), "declares shape"),
+    (_batch(_array((2 ** 70, 3072), b"\0" * 30)), "declares shape"),                     # OverflowError territory
+    (_batch(_array((-1, 3072), b"\0" * 30)), "not one or two sizes"),
+    # _reconstruct asked for a non-empty array, a bare ndarray, an object dtype
+    (_batch(_g("numpy.core.multiarray", "_reconstruct") + b"(" + _g("numpy", "ndarray") + b"(" + _i(9) + b"t"
+            + _b(b"b") + b"tR"), "empty ndarray"),
+    (_batch(_g("numpy", "ndarray")), "bare dtype or ndarray"),
+    (_batch(_array((2, 3072), b"\0" * 6144, _g("numpy", "dtype") + b"(" + _u("O8") + _i(0) + _i(1) + b"tR")),
+     "dtype 'O8' is not allowed"),
+    # an array whose state never came (uninitialised), a codec lookup, a memo miss, any other global
+    (_batch(_g("numpy.core.multiarray", "_reconstruct") + b"(" + _g("numpy", "ndarray") + b"(" + _i(0) + b"t"
+            + _b(b"b") + b"tR"), "without its data"),
+    (_batch(_g("_codecs", "encode") + b"(" + _u("abc") + _u("no-such-codec") + b"tR"), "latin-1"),
+    (b"\x80\x03h\x05.", "not a python batch pickle"),
+    (_batch(_g("os", "system") + b"(" + _u("echo hi") + b"tR"), "global os.system is not allowed"),
+    (b"\x80\x03" + b"(" * 100 + b".", "not a python batch pickle"),
+])
+def test_hostile_pickles_are_refused_naming_the_file(tmp_path, raw, match):
+    with pytest.raises(ValueError, match=match) as info:
+        _load_hostile(tmp_path, raw)
+    assert "test_batch" in str(info.value) and "corrupt CIFAR-10 batch" in str(info.value)
+
+
+@pytest.mark.parametrize("labels, match", [
+    (b"](G\x3f\xf0\x00\x00\x00\x00\x00\x00" + _i(1) + b"e", "float"),                 # 1.0
+    (b"](" + _u("1") + _i(1) + b"e", "str"),
+    (b"](\x88" + _i(1) + b"e", "bool"),
+    (b"](" + _i(1) + b"e", "1 labels"),                                  # one label for two images
+    (b"](" + _i(1) + _i(10) + b"e", "in 0..9"),
+])
+def test_labels_must_be_integers_0_to_9_one_per_image(tmp_path, labels, match):
+    with pytest.raises(ValueError, match=match):
+        _load_hostile(tmp_path, _batch(_array((2, 3072), b"\0" * 6144), labels))
+
+
+def test_official_layout_and_checksums(tmp_path):
+    """verify=True (the default) wants the official file: 10,000 images and the MD5 torchvision lists; a made
+    batch of the right size still fails the checksum, a short one the count; too large a file is not read."""
+    small = _batch(_array((2, 3072), b"\0" * 6144), b"](" + _i(1) + _i(2) + b"e")
+    with pytest.raises(ValueError, match="not the official file.*40351d587109b95175f43aff81a1287e"):
+        _load_hostile(tmp_path, small, verify=True)
+    data = np.zeros((R.CIFAR10_BATCH_IMAGES, 3072), np.uint8)
+    full = pickle.dumps({b"data": data, b"labels": [1] * R.CIFAR10_BATCH_IMAGES}, protocol=2)
+    assert 30_720_000 < len(full) < R._CIFAR_MAX_FILE
+    X, _ = _load_hostile(tmp_path, full)                                        # verify=False: the layout holds
+    assert X.shape == (10_000, 3, 32, 32)
+    with pytest.raises(ValueError, match="md5"):
+        _load_hostile(tmp_path, full, verify=True)
+    many = _batch(_array((3, 3072), b"\0" * 9216), b"](" + _i(1) * 3 + b"e")
+    X, _ = _load_hostile(tmp_path, many)
+    assert len(X) == 3
+    with pytest.raises(ValueError, match="more than any official batch"):
+        with open(tmp_path / "cifar-10-batches-py" / "test_batch", "r+b") as fh:
+            fh.truncate(R._CIFAR_MAX_FILE + 1)                                  # sparse: nothing is written
+        R.load_cifar10(tmp_path, "test", verify=False)
+    with pytest.raises(TypeError, match="verify"):
+        R.load_cifar10(tmp_path, "test", verify="yes")
+    assert set(R.CIFAR10_MD5) == {*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"}

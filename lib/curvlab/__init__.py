@@ -23,6 +23,7 @@ One module per subject the book teaches, plus shared tools:
 ``conv``        Part III: two-layer linear CNN — Toeplitz form of the convolution, reduced GN matrix, κ bound
 ``resnet``      Part III at paper size: ResNet-20, the CIFAR-10 python batches, pruned κ(GN) via a chunked Jacobian Gram
 ``paper_runs``  registry of paper-scale grids run outside the book build (``make sweeps``)
+``data``        bounded, checked readers of external data files (MNIST's IDX files; size caps, official checksums)
 ``model``       any ``torch.nn.Module`` (MSE, cross-entropy incl. per-token, BCE): GN/GGN products, κ with its rank
                 cut and gap, K-FAC blocks, a kernel-form GN step; operators in curvlinops' interface (and curvlinops'
                 operators accepted where curvlab computes κ, K-FAC distances or a damped step)
@@ -37,7 +38,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt", "linrep", "linrep_baselines", "singleindex", "synthesis", "interact", "paper_runs", "model", "conv", "resnet")
+_SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt", "linrep", "linrep_baselines", "singleindex", "synthesis", "interact", "paper_runs", "model", "conv", "resnet", "data")
 __all__ = ["setup", "__version__", *_SUBMODULES]
 
 

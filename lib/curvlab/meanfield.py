@@ -1457,86 +1457,9 @@ def rank_correlation(x, y, *, n_boot: int = 2000, seed: int = 0, level: float = 
 
 
 # ============================================================================================ data: MNIST (IDX), digits
-_IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-
-
-def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read an IDX file (the MNIST format; ``.gz`` allowed): magic ``00 00 <type> <ndim>``, big-endian int32 sizes,
-    then the data in big-endian order. Returns a NumPy array of the stored dtype and shape."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"path must name an existing IDX file, got {str(path)!r}")
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rb") as fh:
-        raw = fh.read()
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
-        raise ValueError(f"{p.name} is not an IDX file (bad magic number {raw[:4].hex()})")
-    ndim = raw[3]
-    head = 4 + 4 * ndim
-    if len(raw) < head:
-        raise ValueError(f"{p.name} is truncated in its header")
-    shape = struct.unpack(f">{ndim}i", raw[4:head])
-    dt = np.dtype(_IDX_TYPES[raw[2]])
-    count = int(np.prod(shape)) if shape else 1
-    if len(raw) - head != count * dt.itemsize:
-        raise ValueError(f"{p.name}: header says {count} values of {dt.itemsize} bytes, file holds "
-                         f"{len(raw) - head} bytes of data")
-    return np.frombuffer(raw, dtype=dt, offset=head).reshape(shape).astype(dt.newbyteorder("="))
-
-
-def write_idx(path: str | os.PathLike, array) -> Path:
-    """Write ``array`` as an IDX file (``.gz`` compresses); the inverse of :func:`read_idx` (tests, small fixtures)."""
-    a = np.asarray(array)
-    code = {np.dtype("uint8"): 0x08, np.dtype("int8"): 0x09, np.dtype("int16"): 0x0B, np.dtype("int32"): 0x0C,
-            np.dtype("float32"): 0x0D, np.dtype("float64"): 0x0E}.get(a.dtype)
-    if code is None:
-        raise TypeError(f"array must have an IDX dtype (uint8, int8, int16, int32, float32, float64), got {a.dtype}")
-    payload = bytes([0, 0, code, a.ndim]) + struct.pack(f">{a.ndim}i", *a.shape) + a.astype(
-        a.dtype.newbyteorder(">")).tobytes()
-    p = Path(path)
-    with (gzip.open if p.suffix == ".gz" else open)(p, "wb") as fh:
-        fh.write(payload)
-    return p
-
-
-_MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-                "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
-
-
-def _mnist_root(root) -> Path | None:
-    if root is not None:
-        return Path(root)
-    env = os.environ.get(MNIST_ENV)
-    return Path(env) if env else None
-
-
-def _find(root: Path, stem: str) -> Path | None:
-    for cand in (root / stem, root / f"{stem}.gz", root / "MNIST" / "raw" / stem, root / "MNIST" / "raw" / f"{stem}.gz"):
-        if cand.is_file():
-            return cand
-    return None
-
-
-def mnist_available(root: str | os.PathLike | None = None) -> bool:
-    """True when the four MNIST IDX files are under ``root`` (default ``$CURVLAB_MNIST_DIR``; the torchvision layout
-    ``MNIST/raw/`` is also searched)."""
-    r = _mnist_root(root)
-    return r is not None and all(_find(r, s) is not None for pair in _MNIST_FILES.values() for s in pair)
-
-
-def load_mnist(root: str | os.PathLike | None = None, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
-    """``(images (N, 28, 28) uint8, labels (N,) uint8)`` of an MNIST split read from IDX files (no download)."""
-    split = check_choice("split", split, tuple(_MNIST_FILES))
-    r = _mnist_root(root)
-    if r is None:
-        raise ValueError(f"root must name the MNIST folder (or set ${MNIST_ENV})")
-    paths = [_find(r, s) for s in _MNIST_FILES[split]]
-    if any(p is None for p in paths):
-        raise ValueError(f"root {str(r)!r} does not hold the MNIST {split} IDX files {_MNIST_FILES[split]}")
-    images, labels = read_idx(paths[0]), read_idx(paths[1])
-    if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
-        raise ValueError(f"MNIST {split}: images {images.shape} and labels {labels.shape} do not match")
-    return images, labels
+# The IDX reader and the MNIST loader are curvlab.data's (bounded and checked: a size cap on what is read and
+# decompressed, the official layout and checksums, labels 0..9, errors naming the file); re-exported here.
+from .data import load_mnist, mnist_available, read_idx, write_idx  # noqa: E402
 
 
 def _classification_data(Xall: np.ndarray, labels: np.ndarray, seeds, n: int, n_test: int, dtype, device,
@@ -1575,12 +1498,14 @@ def load_digits_data(seeds: Sequence[int] = (0,), *, n: int = 1000, n_test: int 
 
 
 def mnist_data(seeds: Sequence[int] = (0,), *, n: int = 1000, n_test: int = 10_000, act: str = "relu",
-               root: str | os.PathLike | None = None, dtype: torch.dtype = torch.float64, device=None) -> Data:
-    """MNIST from IDX files (:func:`load_mnist`), pixels scaled to :math:`[0,1]`, one-hot targets; training images from
-    the training split, test images from the test split, each seeded."""
+               root: str | os.PathLike | None = None, dtype: torch.dtype = torch.float64, device=None,
+               verify: bool = True) -> Data:
+    """MNIST from IDX files (:func:`load_mnist`; ``verify``: the official files only), pixels scaled to
+    :math:`[0,1]`, one-hot targets; training images from the training split, test images from the test split, each
+    seeded."""
     act = _check_act(act)
-    Xtr, ltr = load_mnist(root, "train")
-    Xte, lte = load_mnist(root, "test")
+    Xtr, ltr = load_mnist(root, "train", verify=verify)
+    Xte, lte = load_mnist(root, "test", verify=verify)
     Xtr = Xtr.reshape(len(Xtr), -1) / 255.0
     Xte = Xte.reshape(len(Xte), -1) / 255.0
     a = _classification_data(Xtr, ltr, seeds, n, 1, dtype, device, act)

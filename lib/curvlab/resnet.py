@@ -26,6 +26,8 @@ as :func:`curvlab.conv.gram_condition` does for the small network.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import os
 import pickle
@@ -46,6 +48,7 @@ __all__ = [
     "ResNet20",
     "cifar10_available",
     "load_cifar10",
+    "CIFAR10_MD5",
     "cifar10_subset",
     "digits_subset",
     "magnitude_masks",
@@ -261,57 +264,199 @@ def cifar10_available(root: str | os.PathLike | None = None) -> bool:
     return d is not None and all((d / f).is_file() for files in _CIFAR_FILES.values() for f in files)
 
 
-class _BatchUnpickler(pickle.Unpickler):
-    """Unpickles a CIFAR-10 batch and nothing else: only NumPy's array reconstruction may be called (a pickle can
-    otherwise run arbitrary code)."""
+#: MD5 of the official python batches (cifar-10-python.tar.gz), as torchvision lists them
+#: (torchvision/datasets/cifar.py, ``train_list`` and ``test_list``).
+CIFAR10_MD5 = {"data_batch_1": "c99cafc152244af753f735de768cd75f", "data_batch_2": "d4bba439e000b95fd0a9bffe97cbabec",
+               "data_batch_3": "54ebc095f3ab1f0389bbae665268c751", "data_batch_4": "634d18415352ddfa80567beed471001a",
+               "data_batch_5": "482c414d41f54cd18b22e5b47cb7c3cb", "test_batch": "40351d587109b95175f43aff81a1287e"}
+#: Images in each official batch, and the bytes of one image (3 x 32 x 32, uint8).
+CIFAR10_BATCH_IMAGES, _IMAGE_BYTES = 10_000, 3072
+#: No batch file is read past this size (an official batch is about 31 MB: 30.72 MB of pixels, labels, names).
+_CIFAR_MAX_FILE = 32 * 2 ** 20
+_INT_DTYPES = {"u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8"}
 
-    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-                ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-                ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
-                ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+class _Ndarray:
+    """What the name ``numpy.ndarray`` stands for in a batch: an argument of ``_reconstruct``, never called (a
+    pickle that calls it directly would get uninitialised memory of any size it declares)."""
+
+    def __call__(self, *args, **kwargs):
+        raise _Refused("numpy.ndarray may not be called directly in a CIFAR-10 batch (uninitialised memory)")
+
+
+_NDARRAY = _Ndarray()
+
+
+class _Dtype:
+    """A plain numeric dtype named in a batch (``numpy.dtype('u1', 0, 1)`` and its state), nothing else."""
+
+    def __init__(self, name, align=False, copy=True):
+        name = name.decode("latin1") if isinstance(name, bytes) else name
+        if not isinstance(name, str) or name not in _INT_DTYPES:
+            raise _Refused(f"dtype {name!r} is not allowed in a CIFAR-10 batch")
+        self.dtype = np.dtype(name)
+
+    def __setstate__(self, state):
+        if not (isinstance(state, tuple) and len(state) >= 2 and state[1] in ("|", "<", ">", b"|", b"<", b">")
+                and all(s in (None, -1, 0) for s in state[2:])):
+            raise _Refused(f"dtype state {state!r:.80} is not a plain numeric dtype's")
+        order = state[1].decode() if isinstance(state[1], bytes) else state[1]
+        self.dtype = self.dtype.newbyteorder("=" if order == "|" else order)
+
+
+def _check_shape(shape, dtype: np.dtype, nbytes: int) -> tuple[int, ...]:
+    if (not isinstance(shape, tuple) or not 1 <= len(shape) <= 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s for s in shape)):
+        raise _Refused(f"array shape {shape!r:.80} is not one or two sizes")
+    count = math.prod(shape)
+    if count > CIFAR10_BATCH_IMAGES * _IMAGE_BYTES or count * dtype.itemsize != nbytes:
+        raise _Refused(f"array declares shape {shape} of {dtype} ({count * dtype.itemsize} bytes) but holds "
+                       f"{nbytes} bytes of data")
+    return shape
+
+
+class _Array:
+    """An array rebuilt from a batch: made empty by ``_reconstruct(ndarray, (0,), b'b')``, then filled by its state
+    ``(version, shape, dtype, fortran, raw bytes)``, whose size must match its shape (nothing is allocated from
+    what a header merely declares)."""
+
+    array = None
+
+    def __setstate__(self, state):
+        if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], _Dtype)
+                and state[3] in (False, 0)):
+            raise _Refused("array state is not (version, shape, numeric dtype, C order, data)")
+        raw = state[4]
+        raw = raw.encode("latin1") if isinstance(raw, str) else raw
+        if not isinstance(raw, (bytes, bytearray)):
+            raise _Refused(f"array data must be bytes, got {type(raw).__name__}")
+        dtype = state[2].dtype
+        shape = _check_shape(state[1], dtype, len(raw))
+        self.array = np.frombuffer(bytes(raw), dtype=dtype).reshape(shape).copy()
+
+
+def _reconstruct(cls, shape, typecode):
+    if cls is not _NDARRAY or shape != (0,) or typecode not in (b"b", "b"):
+        raise _Refused("numpy's _reconstruct may only make an empty ndarray to be filled from data")
+    return _Array()
+
+
+def _frombuffer(buf, dtype, shape, order):
+    if not isinstance(dtype, _Dtype) or not isinstance(buf, (bytes, bytearray)) or order not in ("C", b"C"):
+        raise _Refused("numpy's _frombuffer needs bytes, a numeric dtype and C order")
+    return np.frombuffer(bytes(buf), dtype=dtype.dtype).reshape(_check_shape(shape, dtype.dtype, len(buf))).copy()
+
+
+def _scalar(dtype, raw):
+    if not isinstance(dtype, _Dtype) or dtype.dtype.kind not in "iu" or not isinstance(raw, (bytes, str)):
+        raise _Refused("numpy scalars in a CIFAR-10 batch must be integers")
+    raw = raw.encode("latin1") if isinstance(raw, str) else raw
+    if len(raw) != dtype.dtype.itemsize:
+        raise _Refused("integer scalar of the wrong size")
+    return int(np.frombuffer(raw, dtype=dtype.dtype)[0])
+
+
+def _encode(text, encoding="utf-8"):
+    if not isinstance(text, str) or encoding != "latin1":
+        raise _Refused("_codecs.encode may only turn latin-1 text into bytes")
+    return text.encode("latin1")
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """Unpickles a CIFAR-10 batch and nothing else: a dict of bytes/str keys, lists, ints and NumPy arrays of plain
+    numeric dtypes rebuilt from the data in the file. Every global a pickle names is replaced by a checking
+    stand-in (``numpy.ndarray`` may not be called; ``_reconstruct`` only makes an empty array whose state must
+    carry exactly the bytes its shape needs; ``dtype`` only names plain numeric types); any other global is
+    refused, so no code runs and no memory is allocated that the file does not hold."""
+
+    _STANDINS = {**{(m, "_reconstruct"): _reconstruct for m in ("numpy.core.multiarray", "numpy._core.multiarray")},
+                 **{(m, "scalar"): _scalar for m in ("numpy.core.multiarray", "numpy._core.multiarray")},
+                 **{(m, "_frombuffer"): _frombuffer for m in ("numpy.core.numeric", "numpy._core.numeric")},
+                 ("numpy", "ndarray"): _NDARRAY, ("numpy", "dtype"): _Dtype, ("_codecs", "encode"): _encode}
 
     def find_class(self, module: str, name: str):
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR-10 batch")
+        if (module, name) in self._STANDINS:
+            return self._STANDINS[(module, name)]
+        raise _Refused(f"global {module}.{name} is not allowed in a CIFAR-10 batch")
 
 
-def _read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _resolve(value):
+    if isinstance(value, _Array):
+        if value.array is None:
+            raise _Refused("an array without its data")
+        return value.array
+    if isinstance(value, (_Dtype, _Ndarray)):
+        raise _Refused("a bare dtype or ndarray class where data was expected")
+    return value
+
+
+def _read_batch(path: Path, *, verify: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """One batch file: ``(images (N, 3, 32, 32) uint8, labels (N,) uint8)``, every failure a ValueError naming it."""
+    where = f"root holds a corrupt CIFAR-10 batch {str(path)!r}"
+    size = path.stat().st_size
+    if size > _CIFAR_MAX_FILE:
+        raise ValueError(f"{where}: {size} bytes, more than any official batch (about 31 MB)")
+    raw = path.read_bytes()
+    if verify:
+        digest = hashlib.md5(raw, usedforsecurity=False).hexdigest()
+        if digest != CIFAR10_MD5.get(path.name):
+            raise ValueError(f"{where}: not the official file (md5 {digest}, expected {CIFAR10_MD5.get(path.name)} "
+                             "from the python version of CIFAR-10); pass verify=False to read a batch you made "
+                             "yourself (its layout is still checked)")
     try:
-        with open(path, "rb") as fh:
-            obj = _BatchUnpickler(fh, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            UnicodeDecodeError) as exc:
-        raise ValueError(f"root holds a corrupt CIFAR-10 batch {str(path)!r} (not a python batch pickle: {exc})") from exc
-    if not isinstance(obj, dict):
-        raise ValueError(f"root holds a corrupt CIFAR-10 batch {str(path)!r}: expected a dict, got {type(obj).__name__}")
+        obj = _BatchUnpickler(io.BytesIO(raw), encoding="bytes").load()
+        if not isinstance(obj, dict):
+            raise _Refused(f"expected a dict, got {type(obj).__name__}")
+        obj = {k: _resolve(v) for k, v in obj.items()}
+    except _Refused as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    except (Exception, MemoryError, RecursionError) as exc:  # noqa: BLE001 - any failure of a hostile file
+        raise ValueError(f"{where} (not a python batch pickle: {type(exc).__name__}: {exc})") from None
     get = lambda k: obj.get(k.encode(), obj.get(k))  # noqa: E731 - python-2 batches have bytes keys
     data, labels = get("data"), get("labels")
     if data is None or labels is None:
-        raise ValueError(f"root holds a corrupt CIFAR-10 batch {str(path)!r}: keys b'data' and b'labels' expected, "
-                         f"got {sorted(map(str, obj))}")
-    data = np.asarray(data)
-    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
-        raise ValueError(f"root holds a corrupt CIFAR-10 batch {str(path)!r}: data must be uint8 of shape (N, 3072), "
-                         f"got {data.dtype} {data.shape}")
-    try:
-        labels = np.asarray(labels, dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"root holds a corrupt CIFAR-10 batch {str(path)!r}: labels are not integers") from exc
-    if labels.shape[0] != data.shape[0] or (labels.size and (labels.min() < 0 or labels.max() > 9)):
-        raise ValueError(f"root holds a corrupt CIFAR-10 batch {str(path)!r}: {labels.shape[0]} labels in 0..9 "
-                         f"expected for {data.shape[0]} images")
-    return data.reshape(-1, 3, 32, 32), labels.astype(np.uint8)
+        raise ValueError(f"{where}: keys b'data' and b'labels' expected, got {sorted(map(str, obj))}")
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != _IMAGE_BYTES:
+        raise ValueError(f"{where}: data must be uint8 of shape (N, 3072), got "
+                         f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
+    n = data.shape[0]
+    if verify and n != CIFAR10_BATCH_IMAGES or not 1 <= n <= CIFAR10_BATCH_IMAGES:
+        raise ValueError(f"{where}: {n} images, an official batch holds {CIFAR10_BATCH_IMAGES}")
+    if isinstance(labels, np.ndarray):
+        if labels.ndim != 1 or labels.dtype.kind not in "iu":
+            raise ValueError(f"{where}: labels must be integers 0..9, got an array of {labels.dtype}")
+        labels = labels.tolist()
+    if not isinstance(labels, list) or not all(type(v) is int for v in labels):
+        bad = next((v for v in labels if type(v) is not int), labels) if isinstance(labels, list) else labels
+        raise ValueError(f"{where}: labels must be a list of integers 0..9, got a {type(bad).__name__} ({bad!r:.40})")
+    if len(labels) != n or any(not 0 <= v <= 9 for v in labels):
+        raise ValueError(f"{where}: {n} labels in 0..9 expected for {n} images, got {len(labels)} labels in "
+                         f"{min(labels, default=0)}..{max(labels, default=0)}")
+    return data.reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.uint8)
 
 
-def load_cifar10(root: str | os.PathLike | None = None, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
+def load_cifar10(root: str | os.PathLike | None = None, split: str = "train", *, verify: bool = True
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """``(images (N, 3, 32, 32) uint8, labels (N,) uint8)`` of a CIFAR-10 split read from the official python
     batches (``train``: ``data_batch_1`` .. ``data_batch_5`` in order, 50,000 images; ``test``: ``test_batch``,
     10,000), each a pickled dict with ``b"data"`` (``N x 3072`` uint8, channel-major: 1024 red, 1024 green,
     1024 blue values, rows top to bottom) and ``b"labels"``. ``root`` (default ``$CURVLAB_CIFAR10_DIR``) is the
-    folder holding ``cifar-10-batches-py`` or that folder itself. Nothing is downloaded; only NumPy arrays are
-    unpickled (any other object in a file is refused)."""
+    folder holding ``cifar-10-batches-py`` or that folder itself. Nothing is downloaded.
+
+    A batch is a pickle, read as data only: no global but NumPy's array reconstruction is honoured, and that only
+    through checking stand-ins (``numpy.ndarray`` is never called, an array must carry the bytes its shape
+    declares, dtypes are plain numbers), files larger than 32 MiB are not read. With ``verify`` (default) each
+    file must be the official one: its MD5 as torchvision lists it (:data:`CIFAR10_MD5`) and 10,000 images;
+    ``verify=False`` reads batches you made yourself (1 to 10,000 images). Either way the data must be uint8 of
+    shape ``(N, 3072)`` and the labels a list of ``N`` integers in 0..9. Every failure is a :class:`ValueError`
+    naming the file."""
     split = check_choice("split", split, tuple(_CIFAR_FILES))
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be a bool, got {type(verify).__name__}")
     r = _check_root(root)
     if r is None:
         raise ValueError(f"root must name the CIFAR-10 folder (or set ${CIFAR10_ENV}); download the python "
@@ -322,7 +467,7 @@ def load_cifar10(root: str | os.PathLike | None = None, split: str = "train") ->
         raise ValueError(f"root {str(r)!r} does not hold the CIFAR-10 {split} batches {missing} (directly or in "
                          f"cifar-10-batches-py/; set ${CIFAR10_ENV} or pass root; the python version is at "
                          f"{CIFAR10_URL})")
-    parts = [_read_batch(d / f) for f in _CIFAR_FILES[split]]
+    parts = [_read_batch(d / f, verify=verify) for f in _CIFAR_FILES[split]]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
@@ -348,17 +493,17 @@ def _subset_index(total: int, n: int, seed: int) -> np.ndarray:
 
 
 def cifar10_subset(n: int, seed: int, *, root: str | os.PathLike | None = None, split: str = "train",
-                   dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   dtype: torch.dtype = torch.float64, device: torch.device | str | None = None,
+                   verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` CIFAR-10 images of ``split`` drawn without replacement by ``numpy.random.default_rng(seed)``, as
     ``(X (n, 3, 32, 32) float, labels (n,) int64)``; pixels scaled to :math:`[0, 1]`, then each channel normalised
     to mean 0 and standard deviation 1 over the subset (the paper's ~1000-image subset: its statistics are within
-    a few per cent of the full training set's)."""
+    a few per cent of the full training set's). ``verify``: as for :func:`load_cifar10`."""
     n = check_int("n", n, min_value=1)
     seed = check_int("seed", seed, min_value=0)
     dtype = _check_float_dtype(dtype)
     dev = _check_device(device)
-    images, labels = load_cifar10(root, split)
+    images, labels = load_cifar10(root, split, verify=verify)
     idx = _subset_index(len(labels), n, seed)
     return _normalise(images[idx] / 255.0, dtype, dev), torch.as_tensor(labels[idx].astype(np.int64), device=dev)
 
