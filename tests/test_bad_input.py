@@ -111,3 +111,22 @@ def test_fitted_rate_raises_for_a_window_with_fewer_than_six_points():
         L.fitted_rate(D_, t, window=1e-2)
     with pytest.raises(TypeError, match="min_step"):
         L.fitted_rate(D_, t, min_step=1.5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda X: D.flat_model(X, [(3, 4), (2, 3)]),
+    lambda X: D.leaky_flat_model(X, 4, 3, 2, 0.1)[0],
+    lambda X: D.bn_train_model(X, [(3, 4), (2, 3)]),
+])
+def test_float64_data_is_not_rounded_to_float32_parameters_silently(make):
+    """Issue 26: the dense-route models computed in theta's dtype, rounding a float64 X to a float32 theta without
+    a word; they now warn naming X and theta (and keep float64 when theta is float64)."""
+    X = torch.randn(5, 4, dtype=torch.float64)
+    fn = make(X)
+    with pytest.warns(UserWarning, match="X is torch.float64 but theta is torch.float32"):
+        assert fn(torch.randn(18, dtype=torch.float32)).dtype == torch.float32
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fn(torch.randn(18, dtype=torch.float64)).dtype == torch.float64

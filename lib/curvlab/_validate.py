@@ -192,3 +192,14 @@ def _require(module: str, *, extra: str = OPTIONAL_EXTRA, purpose: str = "") -> 
         name = _PIP_NAMES.get(module.split(".")[0], module.split(".")[0])
         raise ImportError(f"{purpose or module} needs {name}, which is not installed: "
                           f'pip install "curvlab[{extra}]" (the book\'s extra "curvlab[book]" includes it)') from exc
+
+
+def cast_like(name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> torch.Tensor:
+    """``t`` in ``like``'s dtype, with a :class:`UserWarning` naming both when that loses precision (a float64
+    ``t`` rounded to a float32 ``like``): the computation follows ``like``'s dtype, and the user should know."""
+    if t.is_floating_point() and like.is_floating_point() and t.dtype.itemsize > like.dtype.itemsize:
+        import warnings
+
+        warnings.warn(f"{name} is {t.dtype} but {like_name} is {like.dtype}: {name} is rounded to {like.dtype}; "
+                      f"pass {like_name} in {t.dtype} to keep {name}'s precision", UserWarning, stacklevel=3)
+    return t.to(like.dtype)

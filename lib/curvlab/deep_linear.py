@@ -52,6 +52,7 @@ from . import config, linalg
 from ._validate import (as_tensor, check_choice, check_finite, check_int, check_int_sequence, check_matrix,
                         check_nonnegative, check_positive)
 from .linalg import _psd_sqrt, default_rtol, kron, lanczos_extremes_operator
+from ._validate import cast_like
 
 __all__ = [
     "init_weights",
@@ -282,7 +283,7 @@ def flat_model(X, shapes: Sequence[tuple[int, int]], skip_scale: float = 0.0,
     X = check_matrix("X", X)
 
     def fn(theta: torch.Tensor) -> torch.Tensor:
-        return forward(weights_of(theta, shapes), X.to(theta.dtype), skip_scale, gains).reshape(-1)
+        return forward(weights_of(theta, shapes), cast_like("X", X, theta, "theta"), skip_scale, gains).reshape(-1)
 
     return fn
 
@@ -800,7 +801,7 @@ def leaky_flat_model(X, d: int, m: int, d_y: int, alpha: float, bias: bool = Fal
 
     def fn(theta):
         W, bb, V = unflatten(theta)
-        Z = X.to(theta.dtype) @ W.T + (0 if bb is None else bb)
+        Z = cast_like("X", X, theta, "theta") @ W.T + (0 if bb is None else bb)
         return (torch.where(Z > 0, Z, alpha * Z) @ V.T).reshape(-1)
 
     return fn, unflatten
@@ -991,7 +992,7 @@ def bn_train_model(X, shapes: Sequence[tuple[int, int]], eps: float = 1e-5) -> C
 
     def fn(theta: torch.Tensor) -> torch.Tensor:
         Ws = weights_of(theta, shapes)
-        H = X.to(theta.dtype)
+        H = cast_like("X", X, theta, "theta")
         for W in Ws[:-1]:
             H = H @ W.T
             H = (H - H.mean(0)) / (H.var(0, unbiased=False) + eps).sqrt()
