@@ -385,6 +385,7 @@ def test_lab_browsing_never_changes_the_repository(tmp_path, monkeypatch):
     """`make lab` serves a workspace copy: start JupyterLab as `make lab` does (no browser, a loopback port), open and
     save notebooks through the Jupyter server's REST API as the front end does (GET, then PUT of the model), and
     check that the repository's notebooks/ and `git status` are unchanged and the served root holds no repository."""
+    import importlib.util
     import secrets
     import socket
     import time
@@ -434,6 +435,12 @@ def test_lab_browsing_never_changes_the_repository(tmp_path, monkeypatch):
             call("PUT", f"/contents/{name}", {"type": "notebook", "format": "json", "content": model["content"]})
             call("POST", f"/contents/{name}/checkpoints")
         assert "my note" in (ws / "notebooks" / "colab" / "00_how_to_read.ipynb").read_text()
+        if importlib.util.find_spec("jupyterlab_rise") is not None:  # a chapter presented live (the lab extra)
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/rise/notebooks/colab/00_how_to_read.ipynb",
+                                         headers={"Authorization": f"token {token}"})
+            with urllib.request.urlopen(req, timeout=60) as res:  # noqa: S310  (loopback only)
+                page = res.read().decode()
+            assert res.status == 200 and '"appName": "Rise"' in page
     finally:
         proc.terminate()
         try:

@@ -7,6 +7,9 @@
     python tools/colab.py --print-ref          # the ref the copies install by default
     python tools/colab.py --lab [--port N]     # JupyterLab on 127.0.0.1 over a workspace copy (what `make lab` runs)
 
+In ``make lab`` a chapter can be presented live with jupyterlab-rise (the chapters carry slide metadata): the
+notebook toolbar's RISE button, or ``http://127.0.0.1:<port>/rise/notebooks/colab/<chapter>.ipynb``.
+
 The chapters (``notebooks/NN_*.ipynb``) are MyST; outside the book (Colab, JupyterLab, Binder) the same cells show
 raw MyST and undefined macros. A copy is the chapter converted by the shared export layer, ``tools/myst_export.py``
 (the same one the student notebooks and the slides use): roles as text and links to the published book,
@@ -228,7 +231,8 @@ def convert_notebook(path: Path, ref: str | None = None, *, index: BookIndex | N
         f"cells. Run the setup cell first (in Colab it installs `curvlab` from the repository at `{ref}`). Generated "
         f"by `tools/colab.py` from `notebooks/{path.name}`; do not edit it, edit the chapter.*"
     )
-    cells.insert(0, {"cell_type": "markdown", "id": "colab-intro", "metadata": {}, "source": intro})
+    cells.insert(0, {"cell_type": "markdown", "id": "colab-intro", "source": intro,
+                     "metadata": {"slideshow": {"slide_type": "skip"}}})  # a RISE presentation starts at the title
     out["cells"] = cells
     meta = out.setdefault("metadata", {})
     meta["colab"] = {"name": path.name, "provenance": [], "toc_visible": True}
