@@ -215,6 +215,15 @@ def test_an_unrelated_edit_keeps_the_key(tmp_path):
     (copy / "paper_runs.py").write_text(_edit(text, line, "_summary_ch20"))
     (copy / "singleindex.py").write_text((copy / "singleindex.py").read_text() + "\nEDITED = 1\n")
     assert sw._code_hash(r.fn, r.cache_name(), None, root=copy) == key
+    ch20 = paper_runs.get("ch20_gn_flows")             # a cell's local names are not the module's functions
+    key20 = sw._code_hash(ch20.fn, ch20.cache_name(), None, root=copy)
+    assert "run" in ch20.fn.__code__.co_varnames and "data" in ch20.fn.__code__.co_varnames
+    text = (copy / "paper_runs.py").read_text()
+    for fn in (paper_runs.run, paper_runs.ch11_linrep_fig1):
+        text = _edit(text, fn.__code__.co_firstlineno, fn.__name__)
+    (copy / "paper_runs.py").write_text(text)
+    assert sw._code_hash(ch20.fn, ch20.cache_name(), None, root=copy) == key20
+    assert sw.code_reached(ch20.fn) == ["curvlab._validate", "curvlab.config", "curvlab.data", "curvlab.meanfield"]
     (copy / "linalg.py").write_text((copy / "linalg.py").read_text() + "\nEDITED = 1\n")
     assert sw._code_hash(r.fn, r.cache_name(), None, root=copy) != key
 

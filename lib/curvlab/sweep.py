@@ -419,6 +419,82 @@ def _bound_names(stmt: ast.stmt) -> list[tuple[str, ast.alias | None]]:
     return names
 
 
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.ListComp, ast.SetComp,
+           ast.DictComp, ast.GeneratorExp)
+
+
+def _local_names(node: ast.AST) -> set[str]:
+    """The names a function (or comprehension) binds in its own scope: its arguments, and every name its body
+    stores, imports or defines, not looking inside nested scopes; less those declared ``global``."""
+    bound: set[str] = set()
+    declared_global: set[str] = set()
+    args = getattr(node, "args", None)
+    if isinstance(args, ast.arguments):
+        bound |= {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg] if a}
+    if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        roots = [g.target for g in node.generators]
+    else:
+        roots = node.body if isinstance(node.body, list) else [node.body]
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            bound.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(n.name)            # the nested scope's own body is not this scope's
+            stack.extend([*n.decorator_list, *getattr(n, "bases", []), *getattr(n, "keywords", [])])
+            continue
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            bound |= {a.asname or a.name.partition(".")[0] for a in n.names if a.name != "*"}
+        elif isinstance(n, ast.Global):
+            declared_global |= set(n.names)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            bound.add(n.name)
+        elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
+            bound.add(n.name)
+        if isinstance(n, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        stack.extend(ast.iter_child_nodes(n))
+    return bound - declared_global
+
+
+def _free_names(stmt: ast.AST) -> set[str]:
+    """The names a top-level statement reads that no enclosing function or comprehension of it binds: those can
+    only be the module's globals (or builtins). Over-approximates (a class body's names count), never misses."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST, bound: frozenset[str]) -> None:
+        if isinstance(node, ast.Name):
+            if node.id not in bound:
+                found.add(node.id)
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args       # defaults, decorators and annotations are read in the enclosing scope
+            for outer in [*args.defaults, *(d for d in args.kw_defaults if d), *getattr(node, "decorator_list", []),
+                          *(a.annotation for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg,
+                                                   args.kwarg] if a and a.annotation),
+                          *([node.returns] if getattr(node, "returns", None) else [])]:
+                visit(outer, bound)
+            inner = bound | _local_names(node)
+            for child in (node.body if isinstance(node.body, list) else [node.body]):
+                visit(child, frozenset(inner))
+            return
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            inner = frozenset(bound | _local_names(node))
+            for k, gen in enumerate(node.generators):
+                visit(gen.iter, bound if k == 0 else inner)       # the first iterable is read outside
+                for cond in gen.ifs:
+                    visit(cond, inner)
+            for part in ([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]):
+                visit(part, inner)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, bound)
+
+    visit(stmt, frozenset())
+    return found
+
+
 def _first_line(stmt: ast.stmt) -> int:
     decorators = getattr(stmt, "decorator_list", [])
     return min([stmt.lineno, *(d.lineno for d in decorators)])
@@ -460,15 +536,15 @@ def _statements_reached(text: bytes, module: str, is_package: bool, line: int, r
         for node in ast.walk(stmt):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 modules |= _imports(node, module, is_package, root)
-            elif isinstance(node, ast.Name):
-                for j, alias in binds.get(node.id, ()):
-                    if alias is not None:        # a top-level import: that alias's module only
-                        one = copy.copy(body[j])
-                        one.names = [alias]
-                        modules |= _imports(one, module, is_package, root)
-                        included.add(j)
-                    elif j not in included:
-                        todo.append(j)
+        for name in _free_names(stmt):
+            for j, alias in binds.get(name, ()):
+                if alias is not None:            # a top-level import: that alias's module only
+                    one = copy.copy(body[j])
+                    one.names = [alias]
+                    modules |= _imports(one, module, is_package, root)
+                    included.add(j)
+                elif j not in included:
+                    todo.append(j)
     source = "".join("".join(lines[_first_line(body[i]) - 1: body[i].end_lineno or body[i].lineno])
                      for i in sorted(included))
     return _sha(source), frozenset(modules)
