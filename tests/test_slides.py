@@ -53,9 +53,10 @@ def code(source: str, outputs: list | None = None, tags: list[str] | None = None
     return cell
 
 
-def layout(cells: list) -> list[list[nbformat.NotebookNode]]:
-    """The slide notebook of ``cells``, as a list of slides (each a list of its cells, notes included)."""
-    nb = slides.slide_notebook(nbformat.v4.new_notebook(cells=cells), ROOT / "notebooks")
+def layout(cells: list, condense: bool = False) -> list[list[nbformat.NotebookNode]]:
+    """The slide notebook of ``cells``, as a list of slides (each a list of its cells, notes included); the layout
+    tests keep every paragraph whole (``condense=False``), the condensing test asks for it."""
+    nb = slides.slide_notebook(nbformat.v4.new_notebook(cells=cells), ROOT / "notebooks", condense=condense)
     out: list[list] = []
     for c in nb.cells:
         if c.metadata["slideshow"]["slide_type"] in ("slide", "subslide") or not out:
@@ -139,6 +140,35 @@ def test_notes_cells_become_the_previous_slides_speaker_notes():
     aside = re.search(r'<aside class="notes">(.*?)</aside>', out, flags=re.S)
     assert aside and "Say this, do not show it." in aside.group(1)
     assert "plugin/notes/notes.js" in out and "RevealNotes" in out
+
+
+def test_long_paragraphs_show_their_lead_sentence_and_go_whole_into_the_notes():
+    long = ("The first sentence says what the slide is about, with $\\GN$ in it. " + "Then the details follow, "
+            "one after the other, as the book tells them at its own pace. " * 6).strip()
+    short = "A short paragraph stays as it is."
+    deck = layout([md(f"## Section\n\n{long}\n\n{short}")], condense=True)
+    shown = "\n".join(c.source for s in deck for c in s if c.metadata["slideshow"]["slide_type"] != "notes")
+    notes = [c for s in deck for c in s if c.metadata.get("curvlab_book_notes")]
+    assert "The first sentence says what the slide is about, with $\\GN$ in it. …" in shown
+    assert "Then the details follow" not in shown and short in shown
+    assert len(notes) == 1 and notes[0].source == long and notes[0].metadata["slideshow"]["slide_type"] == "notes"
+    assert slides.condensed(short) is None and slides.condensed("One sentence only " * 20) is None
+
+
+def test_every_chapters_deck_has_speaker_notes_for_its_prose():
+    """Without executing anything: each chapter's deck carries the book paragraphs it condenses as speaker notes."""
+    for chapter in slides.toc_chapters():
+        nb = slides.slide_notebook(nbformat.read(chapter, as_version=4), chapter.parent)
+        notes = [c for c in nb.cells if c.metadata["slideshow"]["slide_type"] == "notes"]
+        assert len(notes) >= 3, f"{chapter.stem}: {len(notes)} speaker notes"
+        for c in nb.cells:  # prose outside boxes (a theorem's statement or a proof stays whole)
+            if c.metadata["slideshow"]["slide_type"] != "notes" and c.cell_type == "markdown":
+                prose = re.sub(r"<div\b.*?</div>|^```.*?^```|\$\$.*?\$\$", "", c.source, flags=re.S | re.M)
+                for para in re.split(r"\n\s*\n", prose):
+                    if not re.match(r"\s*(<|\$\$|```|[-*>|#]|\d+[.)])", para) \
+                            and not para.rstrip().endswith((":", ",")):  # a lead-in stays with what it introduces
+                        assert slides.condensed(para.removesuffix(" …")) is None or para.endswith("…"), \
+                            f"{chapter.stem}: a long paragraph on a slide: {para[:80]!r}"
 
 
 def test_labelled_equations_are_tagged_and_references_carry_no_latex():
@@ -239,7 +269,8 @@ def test_every_deck_shows_each_figure_on_its_own_slide_within_the_canvas(decks):
 def test_every_deck_has_the_notes_its_chapter_tags(decks):
     for chapter, (nb, _, _, slide_nb) in decks.items():
         tagged = [c for c in nb.cells if c.cell_type == "markdown" and "notes" in c.metadata.get("tags", [])]
-        notes = [c for c in slide_nb.cells if c.metadata["slideshow"]["slide_type"] == "notes"]
+        notes = [c for c in slide_nb.cells if c.metadata["slideshow"]["slide_type"] == "notes"
+                 and not c.metadata.get("curvlab_book_notes")]
         assert len(notes) == len(tagged), f"{chapter.stem}: {len(tagged)} notes cell(s), {len(notes)} on the slides"
         assert not any(c.cell_type == "markdown" and "notes" in c.metadata.get("tags", []) and
                        c.metadata.get("slideshow", {}).get("slide_type") != "notes" for c in slide_nb.cells)

@@ -18,7 +18,9 @@
    below, titled like it, split between paragraphs, sentences, list items, code lines or a box's blocks; a theorem,
    proof or exercise box starts its own slide; **every figure gets a slide of its own**, scaled to the room left;
    code inputs are hidden unless the cell is tagged ``slide-code``; a Markdown cell tagged ``notes`` becomes the
-   previous slide's speaker notes (``s`` in the deck). A slide that still overflows in the browser scrolls.
+   previous slide's speaker notes (``s`` in the deck); a book paragraph of more than ``SLIDE_WORDS`` words shows
+   its lead sentence on the slide and goes, whole, into the slide's notes. A slide that still overflows in the
+   browser scrolls.
    ``tests/test_slides.py`` checks every chapter's layout and renders one deck in headless Chromium.
 4. **Export** with nbconvert's reveal template, its CDN links replaced: reveal.js (with its notes plugin) comes
    from the PyPI package ``sphinx-revealjs`` (which vendors reveal.js 5) and MathJax 3 from
@@ -412,8 +414,34 @@ class Slide:
     items: list[tuple[str, Any]] = field(default_factory=list)  # ("md", text) | ("code", source) | ("out", output)
     height: float = 0.0
     notes: list[str] = field(default_factory=list)
+    book_notes: list[str] = field(default_factory=list)  # book paragraphs condensed on the slide, in full
     content: bool = False  # holds more than its heading
     closed: bool = False  # a figure: what follows goes on the next slide
+
+
+#: A book paragraph longer than this many words is condensed on its slide to its lead sentence, the paragraph itself
+#: going into the slide's speaker notes (the lecturer says it; the slide shows what to look at).
+SLIDE_WORDS = 45
+SENTENCE_END = re.compile(r"(?<=[.;!?])\s+(?=[A-Z(*\[])")
+
+
+def condensed(md: str) -> str | None:
+    """The lead sentence of a long paragraph (more than ``SLIDE_WORDS`` visible words), or None to keep it whole:
+    short paragraphs, and those whose first sentence is most of them, stay as they are."""
+    words = len(re.sub(r"\$[^$]*\$", "x", md).split())
+    if words <= SLIDE_WORDS:
+        return None
+    # split at a sentence end outside inline maths
+    masked = re.sub(r"\$[^$]*\$", lambda m: "x" * len(m.group(0)), md)
+    m = next((m for m in SENTENCE_END.finditer(masked)
+              if not re.search(r"(\bal|\be\.g|\bi\.e|\bcf|\bvs|\bFig|\bEq|\bSec|\bch|\bp)\.$", masked[:m.start()])),
+             None)
+    if m is None:
+        return None
+    first = md[:m.start()].rstrip()
+    if len(re.sub(r"\$[^$]*\$", "x", first).split()) > 0.6 * words or first.count("**") % 2 or first.count("`") % 2:
+        return None
+    return first + " …"
 
 
 class DeckLayout:
@@ -425,8 +453,9 @@ class DeckLayout:
     split between lines, a long list between items, a long paragraph between sentences. What follows a box may
     share its slide when it fits."""
 
-    def __init__(self, budget: float = BUDGET) -> None:
+    def __init__(self, budget: float = BUDGET, condense: bool = True) -> None:
         self.budget = budget
+        self.condense = condense
         self.slides: list[Slide] = []
         self.title: str | None = None
         self.lead_in: tuple[str, float] | None = None  # a short line ("**What you will learn**") kept with what follows
@@ -494,6 +523,12 @@ class DeckLayout:
             if any(c in b.open for c in OWN_SLIDE_BOXES):
                 self.flush()
             return self.box(b, h)
+        if b.kind == "text" and self.condense:
+            short = condensed(b.text)
+            if short is not None:  # the slide shows the paragraph's lead sentence; the notes hold all of it
+                self.add_md(short, self._h("text", short))
+                self.cur.book_notes.append(b.text)
+                return None
         if h <= self.room():
             return self.add_md(b.text, h)
         if b.kind == "code":  # between lines
@@ -620,6 +655,9 @@ class DeckLayout:
             for text in s.notes:
                 cell = nbformat.v4.new_markdown_cell(text, metadata={"slideshow": {"slide_type": "notes"}})
                 cells.append(cell)
+            if s.book_notes:  # the book's paragraphs that the slide shows condensed
+                cells.append(nbformat.v4.new_markdown_cell("\n\n".join(s.book_notes), metadata={
+                    "slideshow": {"slide_type": "notes"}, "curvlab_book_notes": True}))
         nb = nbformat.v4.new_notebook(cells=cells, metadata=metadata)
         for i, c in enumerate(nb.cells):
             c.id = f"slide-cell-{i}"
@@ -627,7 +665,7 @@ class DeckLayout:
 
 
 def slide_notebook(nb: nbformat.NotebookNode, notebook_dir: Path, bib: Bibliography | None = None,
-                   budget: float = BUDGET) -> nbformat.NotebookNode:
+                   budget: float = BUDGET, condense: bool = True) -> nbformat.NotebookNode:
     """The executed chapter laid out as slides: the notebook the reveal exporter renders.
 
     Markdown is converted (``slide_exporter``) and split into blocks; code inputs are hidden unless the cell is tagged
@@ -635,7 +673,7 @@ def slide_notebook(nb: nbformat.NotebookNode, notebook_dir: Path, bib: Bibliogra
     speaker notes (it may also carry ``remove-cell``, which keeps it out of the book). Exercise solutions are left
     out, text and code."""
     conv = slide_exporter(notebook_dir, bib)
-    deck = DeckLayout(budget)
+    deck = DeckLayout(budget, condense)
     for cell in nb.cells:
         tags = set(cell.metadata.get("tags", []))
         stype = cell.metadata.get("slideshow", {}).get("slide_type", "-")
