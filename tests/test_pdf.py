@@ -229,3 +229,18 @@ def test_glyphs_the_fonts_lack_come_from_the_fallback(tmp_path):
     assert run.returncode == 0, [ln for ln in run.stdout.splitlines() if ln.startswith("!")][:3]
     log = (tmp_path / "g.log").read_text(errors="replace")
     assert "Missing character" not in log, re.findall(r"Missing character: There is no (\S+)", log)
+
+
+def test_handout_numbers_theorems_as_the_html_book(handout):
+    """Theorem-like blocks carry the numbers the HTML book gives them (tools/myst_export.py's index numbers them as
+    Sphinx does for the HTML: one counter per kind across the book; chapter 00 is the first chapter with any)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import myst_export
+
+    _, text, _, _ = handout
+    flat = _words(text)
+    index = myst_export.BookIndex.build(build_dir=None)
+    heads = [t for t in index.labels.values() if t.doc == f"notebooks/{CHAPTER}" and t.kind not in ("section", "equation")]
+    assert heads
+    for t in heads:
+        assert t.head in flat, f"{t.head} ({t.title}) is not numbered as in the HTML book"
