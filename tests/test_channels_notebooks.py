@@ -105,6 +105,9 @@ def test_macro_expansion_is_token_safe():
     assert colab.expand_macros(r"\argmin_F", macros) == r"\mathop{\mathrm{arg\,min}}_F"
     assert colab.expand_macros(r"\begin{pmatrix}z\\z'\end{pmatrix}\Rd", macros) == r"\begin{pmatrix}z\\z'\end{pmatrix}\Rd"
     assert colab.expand_macros(r"\ip{a}{\R^d}", macros) == r"\left\langle a, \mathbb{R}^d \right\rangle"
+    # a script whose token takes an argument: MathJax reads x_\tilde w as x_{\tilde w}, KaTeX stops without braces
+    assert colab.expand_macros(r"\nabla_\tilde w\Loss", macros) == r"\nabla_{\tilde w}\mathcal{L}"
+    assert colab.expand_macros(r"x^\mathrm{T}_\text{in} W^\top", macros) == r"x^{\mathrm{T}}_{\text{in}} W^\top"
 
 
 def test_macro_definitions_are_katex_safe(js):

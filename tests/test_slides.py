@@ -156,11 +156,15 @@ def test_long_paragraphs_show_their_lead_sentence_and_go_whole_into_the_notes():
 
 
 def test_every_chapters_deck_has_speaker_notes_for_its_prose():
-    """Without executing anything: each chapter's deck carries the book paragraphs it condenses as speaker notes."""
+    """Without executing anything: each chapter's deck carries the book paragraphs it condenses as speaker notes, and
+    no reference shows a raw label."""
     for chapter in slides.toc_chapters():
         nb = slides.slide_notebook(nbformat.read(chapter, as_version=4), chapter.parent)
         notes = [c for c in nb.cells if c.metadata["slideshow"]["slide_type"] == "notes"]
         assert len(notes) >= 3, f"{chapter.stem}: {len(notes)} speaker notes"
+        raw = [lab for c in nb.cells if c.cell_type == "markdown"
+               for lab in slides.myst_export.raw_labels(c.source, slides.book_index())]
+        assert not raw, f"{chapter.stem}: labels shown as text on the slides: {sorted(set(raw))[:5]}"
         for c in nb.cells:  # prose outside boxes (a theorem's statement or a proof stays whole)
             if c.metadata["slideshow"]["slide_type"] != "notes" and c.cell_type == "markdown":
                 prose = re.sub(r"<div\b.*?</div>|^```.*?^```|\$\$.*?\$\$", "", c.source, flags=re.S | re.M)

@@ -212,8 +212,32 @@ def _balanced_end(s: str, open_pos: int) -> int:
     return len(s)
 
 
+#: Commands that take an argument: after ``_`` or ``^`` MathJax reads ``x_\tilde w`` as ``x_{\tilde w}``, KaTeX stops
+#: ("Got function '\tilde' with no arguments as subscript").
+SCRIPT_ARG_TAKERS = ("tilde", "widetilde", "hat", "widehat", "bar", "overline", "underline", "vec", "dot", "ddot",
+                     "check", "breve", "acute", "grave", "mathring", "boldsymbol", "mathbf", "mathrm", "mathcal",
+                     "mathbb", "mathsf", "mathit", "sqrt", "operatorname", "text")
+
+
+def _group_script_arguments(tex: str) -> str:
+    r"""``_\tilde w`` -> ``_{\tilde w}``, ``^\mathrm{T}`` -> ``^{\mathrm{T}}``: a script whose token takes an argument
+    gets braces around both, as MathJax reads it."""
+    pattern = re.compile(r"([_^])(\s*)\\(" + "|".join(SCRIPT_ARG_TAKERS) + r")(?![A-Za-z])")
+    out, i = [], 0
+    for m in pattern.finditer(tex):
+        if m.start() < i:
+            continue
+        _arg, end = _read_arg(tex, m.end())
+        out.append(tex[i:m.start()] + m.group(1) + "{" + tex[m.end(2):end].strip() + "}")
+        i = end
+    out.append(tex[i:])
+    return "".join(out)
+
+
 def katex_safe(tex: str) -> str:
-    r"""``\operatorname*{X}`` as ``\mathop{\mathrm{X}}`` (the same limits placement; old KaTeX builds reject the star)."""
+    r"""What KaTeX reads as MathJax does: ``\operatorname*{X}`` as ``\mathop{\mathrm{X}}`` (the same limits placement;
+    old KaTeX builds reject the star), a script's argument-taking token grouped (:func:`_group_script_arguments`)."""
+    tex = _group_script_arguments(tex)
     out, i = [], 0
     for m in re.finditer(r"\\operatorname\*\s*\{", tex):
         if m.start() < i:
