@@ -454,3 +454,12 @@ def test_lab_browsing_never_changes_the_repository(tmp_path, monkeypatch):
     assert after == before, "browsing in `make lab` changed the repository"
     _, kept = colab.sync_lab()
     assert sorted(kept) == sorted(LAB_OPENED), "the reader's saved edits are kept"
+    # a notebook that was only run (outputs, execution counts) is not an edit: the next sync refreshes it
+    ran = ws / "notebooks" / "colab" / "01_curvature_primer.ipynb"
+    nb = json.loads(ran.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell.update(execution_count=1, outputs=[{"output_type": "stream", "name": "stdout", "text": "ran"}])
+    ran.write_text(json.dumps(nb))
+    _, kept = colab.sync_lab()
+    assert "notebooks/colab/01_curvature_primer.ipynb" not in kept

@@ -311,9 +311,21 @@ def lab_version(path: Path) -> str:
     return nbtool.dumps(nb)
 
 
+def _content_digest(data: bytes, notebook: bool) -> str:
+    """A file's digest; for a notebook, of its cells' types and sources only (running cells, which adds outputs,
+    execution counts and metadata, is not an edit)."""
+    if notebook:
+        try:
+            cells = json.loads(data)["cells"]
+            data = json.dumps([[c.get("cell_type"), cell_source(c)] for c in cells]).encode()
+        except (ValueError, KeyError, TypeError):
+            pass
+    return hashlib.sha256(data).hexdigest()
+
+
 def sync_lab(workspace: Path | None = None) -> tuple[Path, list[str]]:
-    """Copy ``notebooks/`` into the workspace; a file the reader changed there since it was copied is kept (and
-    listed). Returns (workspace, kept files)."""
+    """Copy ``notebooks/`` into the workspace; a file whose content the reader changed there since it was copied is
+    kept (and listed), a notebook that was only run is refreshed. Returns (workspace, kept files)."""
     ws = workspace or lab_dir()
     ws.mkdir(parents=True, exist_ok=True)
     manifest_path = ws / ".curvlab-lab.json"
@@ -325,9 +337,10 @@ def sync_lab(workspace: Path | None = None) -> tuple[Path, list[str]]:
             continue
         new = lab_version(src) if src.suffix == ".ipynb" else None
         dest = ws / rel
-        digest = hashlib.sha256(new.encode() if new is not None else src.read_bytes()).hexdigest()
+        is_nb = src.suffix == ".ipynb"
+        digest = _content_digest(new.encode() if new is not None else src.read_bytes(), is_nb)
         if dest.exists():
-            have = hashlib.sha256(dest.read_bytes()).hexdigest()
+            have = _content_digest(dest.read_bytes(), is_nb)
             if have == digest:
                 manifest[str(rel)] = digest
                 continue
