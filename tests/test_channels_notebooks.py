@@ -463,3 +463,27 @@ def test_lab_browsing_never_changes_the_repository(tmp_path, monkeypatch):
     ran.write_text(json.dumps(nb))
     _, kept = colab.sync_lab()
     assert "notebooks/colab/01_curvature_primer.ipynb" not in kept
+
+
+def test_index_takes_numbers_and_titles_from_a_built_book(tmp_path):
+    """With a built book, references use its numbers (the environment's toc_fignumbers) and its section titles
+    (objects.inv); without one, the sources' numbering."""
+    import pickle
+    import zlib
+
+    plain = myst_export.BookIndex.build(build_dir=None)
+    assert plain.source == "sources" and plain.labels["lem-how-stein"].number == "1"
+    section = next(k for k, t in plain.labels.items() if t.kind == "section")
+    (tmp_path / ".doctrees").mkdir()
+    env = SimpleNamespace(toc_fignumbers={"notebooks/00_how_to_read": {"lemma": {"lem-how-stein": (7,)}}},
+                          domaindata={"std": {"labels": {}}})
+    (tmp_path / ".doctrees" / "environment.pickle").write_bytes(pickle.dumps(env))
+    (tmp_path / "html").mkdir()
+    body = f"{section} std:label -1 page.html#{section} A built title\n".encode()
+    (tmp_path / "html" / "objects.inv").write_bytes(
+        b"# Sphinx inventory version 2\n# Project: x\n# Version: 1\n# The remainder of this file is compressed "
+        b"using zlib.\n" + zlib.compress(body))
+    built = myst_export.BookIndex.build(build_dir=tmp_path)
+    assert built.source == "built book" and built.labels["lem-how-stein"].number == "7"
+    assert built.labels["lem-how-stein"].text.startswith("Lemma 7 (")
+    assert built.labels[section].title == "A built title"

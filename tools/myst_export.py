@@ -397,6 +397,10 @@ class BookIndex:
                     break
         if build_dir is not None:
             idx._from_build(build_dir)
+            for label, title in idx.inventory_titles(build_dir / "html" / "objects.inv").items():
+                t = idx.labels.get(label)
+                if t is not None and t.kind == "section" and title:
+                    t.title = title  # the section's title as the built book shows it
         return idx
 
     def _scan(self, doc: str, path: Path, counters: dict[str, int]) -> None:
@@ -463,14 +467,18 @@ class BookIndex:
                 t.title = sect[2]
         self.source = "built book"
 
-    def inventory_titles(self, inv: Path = BUILD / "html" / "objects.inv") -> dict[str, str]:
+    @staticmethod
+    def inventory_titles(inv: Path = BUILD / "html" / "objects.inv") -> dict[str, str]:
         """Label -> display name from the built book's inventory (what intersphinx reads), if there is one."""
         if not inv.exists():
             return {}
-        from sphinx.util.inventory import InventoryFile
+        try:
+            from sphinx.util.inventory import InventoryFile
 
-        with inv.open("rb") as fh:
-            data = InventoryFile.load(fh, "", lambda a, b: b)
+            with inv.open("rb") as fh:
+                data = InventoryFile.load(fh, "", lambda a, b: b)
+        except Exception:  # noqa: BLE001 - an unreadable inventory: the sources' titles stay
+            return {}
         return {name: entry[3] for name, entry in data.get("std:label", {}).items() if entry[3] != "-"}
 
 
