@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -283,3 +284,123 @@ def test_gn_conditioning_general_case_routes_agree_and_model_counts():
     fd, fr = b.general_flops("dense", 64, 10, 3, 37, 128), b.general_flops("reduced", 64, 10, 3, 37, 128)
     assert fd > 4 / 3 * p**3 and fr > 4 / 3 * D**3
     assert 100 < fd / fr < 1000        # the physical bound at d_y d = 640 is a few hundred, not 1000
+
+
+# ------------------------------------------------------------------------------------- the performance page (issue 24)
+ROOT = BENCH.parent
+PAGE = ROOT / "book" / "performance.md"
+
+
+@pytest.fixture(scope="module")
+def bench_ext():
+    spec = importlib.util.spec_from_file_location("curvlab_bench_ext", ROOT / "book" / "_ext" / "curvlab_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _clean_payload(**extra):
+    return {"name": "x", "protocol": {"min_repeats": 5}, "machine": {"dirty": False, "revision_label": "abc1234",
+            "uncommitted_changes": [], "curvlab_from_checkout": True}, "figures": {"f": {"value": 2.0, "text": "2×"}},
+            "exercised_code": {}, **extra}
+
+
+def test_performance_page_refuses_missing_dirty_and_preprotocol_results(bench_ext, tmp_path):
+    text = "A {bench}`x::f` speed-up.\n\n```{include} ../benchmarks/results/x.md\n```\n"
+    with pytest.raises(bench_ext.BenchPageError, match=r"results/x\.json is missing"):
+        bench_ext.process(text, results=tmp_path, root=tmp_path)
+    (tmp_path / "x.json").write_text(json.dumps(_clean_payload()))
+    out, names = bench_ext.process(text, results=tmp_path, root=tmp_path)
+    assert "A 2× speed-up." in out and names == ["x"] and "warning" not in out
+    dirty = _clean_payload()
+    dirty["machine"].update(dirty=True, revision_label="abc1234+dirty")
+    (tmp_path / "x.json").write_text(json.dumps(dirty))
+    with pytest.raises(bench_ext.BenchPageError, match=r"x\.json was measured on a dirty"):
+        bench_ext.process(text, results=tmp_path, root=tmp_path)
+    old = _clean_payload()
+    del old["protocol"]
+    (tmp_path / "x.json").write_text(json.dumps(old))
+    with pytest.raises(bench_ext.BenchPageError, match="predates the benchmark protocol"):
+        bench_ext.process(text, results=tmp_path, root=tmp_path)
+    (tmp_path / "x.json").write_text(json.dumps(_clean_payload()))
+    with pytest.raises(bench_ext.BenchPageError, match="no figure 'g'"):
+        bench_ext.process("{bench}`x::g`", results=tmp_path, root=tmp_path)
+
+
+def test_performance_page_flags_results_whose_library_code_changed(bench_ext, tmp_path):
+    import hashlib
+
+    lib = tmp_path / "lib" / "curvlab"
+    lib.mkdir(parents=True)
+    (lib / "mod.py").write_text("x = 1\n")
+    digest = hashlib.sha256(b"x = 1\n").hexdigest()
+    payload = _clean_payload(exercised_code={"lib/curvlab/mod.py": digest,
+                                             "benchmarks/harness.py": "0" * 64})  # the harness is not measured code
+    (tmp_path / "x.json").write_text(json.dumps(payload))
+    text = "```{include} ../benchmarks/results/x.md\n```\n"
+    out, _ = bench_ext.process(text, results=tmp_path, root=tmp_path)
+    assert "warning" not in out
+    (lib / "mod.py").write_text("x = 2\n")
+    out, _ = bench_ext.process(text, results=tmp_path, root=tmp_path)
+    assert ":::{warning}" in out and "`lib/curvlab/mod.py`" in out and "harness" not in out
+
+
+#: Numbers the page's own prose may type: criteria and protocol constants, not measurements.
+ALLOWED_NUMBERS = {
+    "100 %",        # an efficiency (bound / measured time) cannot exceed it
+    "10 %",         # the acceptance criterion for the baseline's speed against the authors' code
+    "1000\\times",  # the kappa routes' design goal
+}
+MEASURED = re.compile(
+    r"(?<![\w.{])(\d[\d,]*(?:\.\d+)?(?:\s*(?:–|-)\s*\d[\d,]*(?:\.\d+)?)?)"
+    r"(\s*(?:\\,)?\s*(?:×|\\times|x\b|%|ms\b|s\b|GB/s|GFLOP/s|MiB|GiB|MB\b|times\b|faults\b|page faults))")
+SCI = re.compile(r"10\^\{?-?\d+\}?|\d\.\d+e[-+]?\d+")
+
+
+def _hand_written(text: str) -> str:
+    text = re.sub(r"<!-- bench:scaling:start -->.*?<!-- bench:scaling:end -->", "", text, flags=re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)                   # includes, figures, code
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = re.sub(r"\{bench\}`[^`]+`", "BENCH", text)
+    text = re.sub(r"`[^`]*`", "CODE", text)
+    return text
+
+
+def hand_typed_measurements(text: str) -> list[str]:
+    body = _hand_written(text)
+    found = []
+    for mo in MEASURED.finditer(body):
+        token = (mo.group(1) + mo.group(2)).strip()
+        if token.replace(" ", " ") in ALLOWED_NUMBERS:
+            continue
+        found.append(token)
+    found += [mo.group(0) for mo in SCI.finditer(body)]
+    return found
+
+
+def test_hand_typed_measurement_detector_catches_what_it_must():
+    assert hand_typed_measurements("it ran 234× faster, 14.9 s, 76–79 % of it, 3\\times10^{-13}") == \
+        ["234×", "14.9 s", "76–79 %", "3\\times", "10^{-13}"]
+    assert hand_typed_measurements("with {bench}`x::f` and `python x.py --widths 500,2000` at m = 2000") == []
+    assert hand_typed_measurements("```{include} ../benchmarks/results/x.md\n```\n at most 100 % of it") == []
+
+
+def test_performance_page_every_number_traceable_to_a_committed_clean_results_file(bench_ext):
+    """Every figure on the page is a {bench} reference or an include of a committed results file of a clean revision
+    under the protocol; the page's prose types no measured number; the generated scaling section is up to date."""
+    import subprocess
+
+    text = PAGE.read_text()
+    assert hand_typed_measurements(text) == [], "hand-typed measured numbers on book/performance.md"
+    _, names = bench_ext.process(text)          # raises on a missing, dirty or pre-protocol file, or a missing figure
+    assert names, "the page names no results file"
+    tracked = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode == 0 and tracked.stdout:
+        committed = set(tracked.stdout.split())
+        missing = [n for n in names if f"benchmarks/results/{n}.json" not in committed]
+        assert not missing, f"results files used by the page but not committed: {missing}"
+    spec = importlib.util.spec_from_file_location("curvlab_bench_run_all", BENCH / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    block = text.split(run_all.START, 1)[1].split(run_all.END, 1)[0]
+    assert block.strip() == run_all.scaling_section().strip(), "rerun benchmarks/run_all.py --page-only"
