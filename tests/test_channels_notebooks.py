@@ -487,3 +487,19 @@ def test_index_takes_numbers_and_titles_from_a_built_book(tmp_path):
     assert built.source == "built book" and built.labels["lem-how-stein"].number == "7"
     assert built.labels["lem-how-stein"].text.startswith("Lemma 7 (")
     assert built.labels[section].title == "A built title"
+
+
+@pytest.mark.built
+def test_sources_number_the_references_as_the_built_book_does():
+    """After the book build: every theorem, exercise and labelled equation has the number Sphinx gave it (the
+    environment of _build), so the copies made from the sources show the HTML book's numbers."""
+    if not (myst_export.BUILD / ".doctrees" / "environment.pickle").exists():
+        pytest.skip("no built book (_build/.doctrees/environment.pickle): run make book-quick first")
+    plain = myst_export.BookIndex.build()
+    built = myst_export.BookIndex.build(build_dir=myst_export.BUILD)
+    assert built.source == "built book"
+    numbered = [t for t in plain.labels.values() if t.kind != "section" and t.number]
+    assert built.matched >= 0.9 * len(numbered), f"the build numbers only {built.matched} of {len(numbered)} labels"
+    differ = [(label, t.number, built.labels[label].number) for label, t in plain.labels.items()
+              if t.kind != "section" and t.number != built.labels[label].number]
+    assert not differ, f"{len(differ)} references numbered differently from the built book, e.g. {differ[:5]}"

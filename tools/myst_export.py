@@ -15,10 +15,12 @@ What it does, once for all of them:
   ``%`` comments and labelled equations are the parser's tokens; roles and maths in a run of text are converted
   there and checked by the tests (:func:`leftovers` finds any role, fence, target or option left).
 * **Numbers and titles** of the targets (``Lemma 7 (Stein's lemma)``, equation ``(12)``, a section's title) from the
-  built book when there is one (``_build/html/objects.inv`` for titles, ``_build/.doctrees/environment.pickle`` for
-  the numbers Sphinx assigned), else from the sources, numbered as Sphinx numbers them here: one counter per kind
-  (``lemma``, ``exercise``, labelled equations ...) across the whole book in ``_toc.yml``'s order (the book's toc is
-  not ``numbered``, so Sphinx's figure numbers carry no section prefix).
+  sources, numbered as Sphinx numbers them here: one counter per kind (``lemma``, ``exercise``, labelled equations
+  ...) across the whole book in ``_toc.yml``'s order (the book's toc is not ``numbered``, so Sphinx's figure numbers
+  carry no section prefix); ``BookIndex.build(BUILD)`` reads them from the built book instead
+  (``_build/html/objects.inv`` for titles, ``_build/.doctrees/environment.pickle`` for the numbers Sphinx assigned),
+  and a test after the book build checks that both agree, so the generated copies, made from the sources, carry the
+  built book's numbers.
 * **Maths** that renders in KaTeX (Colab, jupyterlab-myst, VS Code) and MathJax alike: the book's macros are
   *expanded* in every formula, so a formula never depends on a definition elsewhere; the definitions a copy carries
   for the reader's own cells are ``\\def``s (:func:`macro_definitions`), which KaTeX accepts even where the command
@@ -382,11 +384,14 @@ class BookIndex:
     labels: dict[str, Target] = field(default_factory=dict)
     terms: dict[str, str] = field(default_factory=dict)  # lower-case term -> glossary spelling
     source: str = "sources"  # "sources", or "built book" when numbers came from _build
+    matched: int = 0  # labels whose number the built book gave
 
     @classmethod
-    def build(cls, build_dir: Path | None = BUILD) -> BookIndex:
-        """From the sources, numbered as Sphinx numbers them; then the built book's numbers and titles where there is
-        a built book (``build_dir=None`` ignores it)."""
+    def build(cls, build_dir: Path | None = None) -> BookIndex:
+        """From the sources, numbered as Sphinx numbers them; then, with ``build_dir`` (``myst_export.BUILD``), the
+        built book's numbers and titles where it has them. The generated copies use the sources only, so that they
+        do not depend on whether a build is lying around; tests/test_channels_notebooks.py checks, after a build,
+        that the two agree."""
         idx = cls()
         counters: dict[str, int] = {}
         for doc in toc_docs():
@@ -462,6 +467,7 @@ class BookIndex:
                 number = by_id.get((t.doc, label))
             if number and t.kind != "section":
                 t.number = number
+                self.matched += 1
             sect = std.get("labels", {}).get(label)
             if sect and t.kind == "section" and sect[2]:
                 t.title = sect[2]
