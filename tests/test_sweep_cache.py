@@ -1,8 +1,9 @@
 """The sweep cache can neither serve stale cells nor trust a file it finds (issue 26).
 
-* Keys from the code a cell reaches: for every registered paper-scale grid, each function its (quick) cell
-  calls inside ``curvlab`` is found by running the cell under a profiler, then edited in a copy of the package:
-  every such edit changes the grid's key. The stale-cache demonstration runs a registered grid, edits a function
+* Keys from the code a cell reaches: for every registered paper-scale grid, each function its quick cells (one
+  per code path: method, kind, activation, ...) call inside ``curvlab`` is found by running them under a
+  profiler, then edited in a copy of the package: every such edit changes the grid's key (the issue's blind
+  spots among them: ``precond.adam_update``, ``linalg.random_orthogonal``, ``linalg.kron``, ``default_rtol``). The stale-cache demonstration runs a registered grid, edits a function
   its cell calls (in a copy of the package, in a fresh process), reruns it: every cell is recomputed and the
   paper-scale section no longer calls the committed frame the current code's.
 * Files: cells are a zip of ``.npy`` arrays and JSON read with ``allow_pickle=False``; a planted pickle (as an
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import pickle
@@ -62,9 +64,20 @@ def frame_cell(a):
 
 
 # ==================================================================== keys from the code a cell reaches
+def _paths(r: paper_runs.PaperRun) -> list[dict]:
+    """One quick configuration per code path of ``r``: the cheapest of each combination of its categorical
+    settings (strings, bools, None: a method, a kind, an activation, a dataset)."""
+    groups: dict[tuple, dict] = {}
+    for c in r.configs("quick"):
+        key = tuple(sorted((k, v) for k, v in c.items() if v is None or isinstance(v, (str, bool))))
+        if key not in groups or r.flops(**c) < r.flops(**groups[key]):
+            groups[key] = c
+    return list(groups.values())
+
+
 def _called(r: paper_runs.PaperRun) -> set[tuple[str, int, str]]:
-    """The curvlab functions the cheapest quick cell of ``r`` calls: (file under curvlab, first line, name)."""
-    config = min(r.configs("quick"), key=lambda c: r.flops(**c))
+    """The curvlab functions ``r``'s quick cells call, one cell per code path (:func:`_paths`): (file under
+    curvlab, first line, name)."""
     calls: set[tuple[str, int, str]] = set()
     prefix = str(ROOT) + os.sep
 
@@ -73,11 +86,12 @@ def _called(r: paper_runs.PaperRun) -> set[tuple[str, int, str]]:
             code = frame.f_code
             calls.add((code.co_filename[len(prefix):], code.co_firstlineno, code.co_name))
 
-    sys.setprofile(profile)
-    try:
-        r.fn(**config)
-    finally:
-        sys.setprofile(None)
+    for config in _paths(r):
+        sys.setprofile(profile)
+        try:
+            r.fn(**config)
+        finally:
+            sys.setprofile(None)
     return calls
 
 
@@ -100,12 +114,17 @@ def _first_simple(body: list) -> ast.stmt:
                                                                     ast.ClassDef))).body)
 
 
+@functools.lru_cache(maxsize=64)
+def _tree(text: str) -> ast.Module:
+    return ast.parse(text)
+
+
 def _edit(text: str, line: int, name: str) -> str | None:
     """``text`` with the function (or lambda) defined at ``line`` edited: ``pass;`` before its first simple
     statement (a lambda: ``0 or`` before its body), keeping every line where it was; None when none is there."""
-    tree = ast.parse(text)
+    tree = _tree(text)
     target = None
-    for node in ast.walk(tree):
+    for node in (ast.walk(tree) if name == "<lambda>" else sw._statements(tree.body)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
             if first == line:
@@ -177,6 +196,9 @@ def test_editing_any_function_a_registered_cell_calls_changes_its_key(reached, t
     copy = _copy_as_running(tmp_path)
     base = {name: sw._code_hash(r.fn, r.cache_name(), None, root=copy) for name, r in paper_runs.REGISTRY.items()}
     by_function: dict[tuple[str, int, str], list[str]] = {}
+    names = {name: {(rel, fname) for rel, _, fname in calls} for name, (calls, _) in reached.items()}
+    assert {("precond.py", "adam_update"), ("linalg.py", "random_orthogonal")} <= names["ch11_linrep_fig1"]
+    assert ("linalg.py", "default_rtol") in names["ch32_leaky"] and ("linalg.py", "kron") in names["ch31_depth_law"]
     for name, (calls, _) in reached.items():
         assert calls, f"{name}: the profiler saw no curvlab call"
         for call in calls:

@@ -399,8 +399,18 @@ def _module_closure(root: Path, modules: set[str]) -> dict[str, str]:
 @functools.lru_cache(maxsize=256)
 def _file_imports(text: bytes, module: str, is_package: bool, root: Path) -> frozenset[str]:
     """Every ``curvlab`` module a file imports, anywhere in it."""
-    return frozenset(m for node in ast.walk(_parse(text)) if isinstance(node, (ast.Import, ast.ImportFrom))
+    return frozenset(m for node in _statements(_parse(text).body) if isinstance(node, (ast.Import, ast.ImportFrom))
                      for m in _imports(node, module, is_package, root))
+
+
+def _statements(body: list) -> Any:
+    """Every statement of a body, nested bodies included (an import is a statement: expressions need no visit)."""
+    for stmt in body:
+        yield stmt
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(stmt, field, None)
+            if isinstance(inner, list):
+                yield from _statements(inner)
 
 
 def _bound_names(stmt: ast.stmt) -> list[tuple[str, ast.alias | None]]:
