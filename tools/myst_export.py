@@ -411,7 +411,8 @@ class BookIndex:
     def _scan(self, doc: str, path: Path, counters: dict[str, int]) -> None:
         if path.suffix == ".ipynb":
             text = "\n\n".join(cell_source(c) for c in json.loads(path.read_text())["cells"]
-                               if c["cell_type"] == "markdown")
+                               if c["cell_type"] == "markdown"  # a removed cell is not in the book: not numbered
+                               and "remove-cell" not in c.get("metadata", {}).get("tags", []))
         else:
             text = re.sub(r"\A---\n.*?\n---\n", "", path.read_text(), flags=re.S)
         m = re.search(r"^#\s+(.+?)\s*$", text, re.M)
