@@ -142,8 +142,11 @@ def test_student_notebook_leaves_every_solution_out(sidecar):
     chapter = nbformat.read(ROOT / "notebooks" / f"{sidecar.stem}.ipynb", as_version=4)
     text = (student.STUDENT_DIR / f"{sidecar.stem}.ipynb").read_text()
     specs = student.load_specs(chapter, sidecar.stem)
+    solution_cells = {i for idx in student.gated_solutions(chapter).values() for i in idx}
+    shown = "\n".join(c.source for i, c in enumerate(chapter.cells)  # the chapter's other code, which students get
+                       if c.cell_type == "code" and i not in solution_cells)
     for label, idx in student.gated_solutions(chapter).items():
-        given = specs.get(label, {}).get("stub", "")  # what the stub hands out on purpose
+        given = specs.get(label, {}).get("stub", "") + "\n" + shown  # what the notebook hands out on purpose
         for i in idx:
             for line in chapter.cells[i].source.splitlines():
                 if len(line.strip()) > 25 and line.strip() not in given:
