@@ -1374,21 +1374,27 @@ def first_crossing(history: pd.DataFrame, column: str, threshold: float) -> pd.D
 def richardson(steps, values, *, max_order: float = 8.0) -> pd.DataFrame:
     r"""Richardson extrapolation to the flow limit with a **fitted order** (chapter 21, the flow-limit test).
 
-    For three step sizes :math:`\eta_1>\eta_2>\eta_3` and a metric that behaves like
-    :math:`M(\eta)=M_0+C\eta^p` near the flow (:math:`\eta\to0`), the ratio of successive differences
+    For three step sizes :math:`\eta_1>\eta_2>\eta_3` and a statistic that behaves like
+    :math:`\mathcal Y(\eta)=\mathcal Y_0+\mathcal Y_1\eta^{\varpi}` near the flow (:math:`\eta\to0`), the ratio of
+    successive differences
 
-    .. math:: \rho=\frac{M(\eta_1)-M(\eta_2)}{M(\eta_2)-M(\eta_3)}=\frac{\eta_1^p-\eta_2^p}{\eta_2^p-\eta_3^p}
+    .. math::
 
-    fixes the order :math:`p` (for a geometric triple :math:`\eta_{k+1}=\eta_k/q` it is :math:`q^p`); then
-    :math:`C=(M(\eta_2)-M(\eta_3))/(\eta_2^p-\eta_3^p)`, the extrapolated flow value
-    :math:`\hat M_0=M(\eta_3)-C\eta_3^p` and the error of each step :math:`|C|\eta_k^p`. Nothing is assumed about
-    :math:`p` (a first-order allowance would assume :math:`p=1`).
+        \frac{\mathcal Y(\eta_1)-\mathcal Y(\eta_2)}{\mathcal Y(\eta_2)-\mathcal Y(\eta_3)}
+        =\frac{\eta_1^{\varpi}-\eta_2^{\varpi}}{\eta_2^{\varpi}-\eta_3^{\varpi}}
+
+    fixes the order :math:`\varpi` (for a geometric triple, :math:`\eta_1/\eta_2=\eta_2/\eta_3`, it is
+    :math:`(\eta_1/\eta_2)^{\varpi}`); then
+    :math:`\mathcal Y_1=(\mathcal Y(\eta_2)-\mathcal Y(\eta_3))/(\eta_2^{\varpi}-\eta_3^{\varpi})`, the extrapolated
+    flow value :math:`\hat{\mathcal Y}_0=\mathcal Y(\eta_3)-\mathcal Y_1\eta_3^{\varpi}` and the error of each step
+    :math:`|\mathcal Y_1|\eta_k^{\varpi}`. Nothing is assumed about :math:`\varpi` (a first-order allowance would assume
+    :math:`\varpi=1`). (The order is :math:`\varpi`, as on the book's notation page, where :math:`p` is the parameter count.)
 
     The order is **undetermined** — ``order``, ``flow`` and the errors are NaN, ``determined`` is False and
-    ``reason`` says why — when the two differences have opposite signs or the second is zero (:math:`\rho\le0`: the
-    metric is not monotone in :math:`\eta`), when they do not shrink as fast as any positive order requires
-    (:math:`\rho` at or below its :math:`p\to0` limit :math:`\ln(\eta_1/\eta_2)/\ln(\eta_2/\eta_3)`), or when
-    the fitted order exceeds ``max_order``.
+    ``reason`` says why — when the two differences have opposite signs or the second is zero (the ratio is
+    :math:`\le0`: the statistic is not monotone in :math:`\eta`), when they do not shrink as fast as any positive order
+    requires (the ratio at or below its :math:`\varpi\to0` limit :math:`\ln(\eta_1/\eta_2)/\ln(\eta_2/\eta_3)`), or
+    when the fitted order exceeds ``max_order``.
 
     ``steps``: three decreasing positive numbers; ``values``: shape ``(3,)`` or ``(3, R)`` (one column per replicate).
     Returns one row per replicate: ``order``, ``flow``, ``error_1``, ``error_2``, ``error_3``, ``determined``,
