@@ -17,23 +17,23 @@ read-out :math:`V\in\mathbb R^{d_y\times co^2}` of the flattened maps (channel-m
 
 (row-major Kronecker product, :func:`toeplitz`). The end-to-end map :math:`M = VT(K)` is linear in each factor; its
 derivative in :math:`K` has the columns :math:`\operatorname{vec}(V_kS_u)`, :math:`V_k` the read-out block of
-channel :math:`k` (:func:`readout_unfold`, the matrix :math:`C(V)\in\mathbb R^{d_yd\times cs^2}`), and in :math:`V`
+channel :math:`k` (:func:`readout_unfold`, the matrix :math:`Q(V)\in\mathbb R^{d_yd\times cs^2}`, the book's :math:`\mathcal Q(V)`), and in :math:`V`
 it is :math:`I_{d_y}\otimes T^\top`. Hence, with :math:`\hat\Sigma = X^\top X/n`,
 
 .. math::
 
     H_{\mathrm{GN}} = \Gamma^\top(I_{d_y}\otimes\hat\Sigma)\Gamma,\qquad
     H^{\mathrm{red}}_{\mathrm{GN}} = I_{d_y}\otimes \hat\Sigma^{1/2}T^\top T\hat\Sigma^{1/2}
-        + (I_{d_y}\otimes\hat\Sigma^{1/2})\,C C^\top(I_{d_y}\otimes\hat\Sigma^{1/2}),
+        + (I_{d_y}\otimes\hat\Sigma^{1/2})\,Q Q^\top(I_{d_y}\otimes\hat\Sigma^{1/2}),
 
 and the two have the same nonzero eigenvalues (:func:`gn_reduced`; :func:`gn_dense` is the torch.func reference of
-the actual ``nn.Conv2d`` model). With :math:`W = T\hat\Sigma^{1/2}`, :math:`C_\Sigma = (I\otimes\hat\Sigma^{1/2})C`
+the actual ``nn.Conv2d`` model). With :math:`W = T\hat\Sigma^{1/2}`, :math:`Q_\Sigma = (I\otimes\hat\Sigma^{1/2})Q`
 and :math:`r = \operatorname{rank}\hat\Sigma`, Weyl's inequalities give the bound of Lemma 1's shape
 (:func:`kappa_bound`):
 
 .. math::
 
-    \kappa(H_{\mathrm{GN}}) \le \frac{\sigma_1^2(W) + \sigma_1^2(C_\Sigma)}{\sigma_r^2(W) + \sigma_{d_yr}^2(C_\Sigma)},
+    \kappa(H_{\mathrm{GN}}) \le \frac{\sigma_1^2(W) + \sigma_1^2(Q_\Sigma)}{\sigma_r^2(W) + \sigma_{d_yr}^2(Q_\Sigma)},
 
 with equality when the kernel covers the image (:math:`s = N`: the convolution is a dense layer), the inputs are
 whitened (:math:`\hat\Sigma` a projection) and the denominator is positive: for generic weights when
@@ -159,7 +159,7 @@ def toeplitz(K, image: int = 8, padding: int = 0) -> torch.Tensor:
 
 
 def readout_unfold(V, c: int, s: int, image: int = 8, padding: int = 0) -> torch.Tensor:
-    r"""The derivative of :math:`\operatorname{vec}(VT(K))` in :math:`K`: the matrix :math:`C(V)\in
+    r"""The derivative of :math:`\operatorname{vec}(VT(K))` in :math:`K`: the matrix :math:`Q(V)\in
     \mathbb R^{d_yN^2\times cs^2}` whose column :math:`(k,u)` is :math:`\operatorname{vec}(V_kS_u)` — row :math:`i`
     of :math:`V_kS_u` is read-out map :math:`i` of channel :math:`k` placed at offset :math:`u` in an empty image
     (a transposed convolution). Batched over leading dimensions of ``V: (..., d_y, c*o*o)`` (chapter 31)."""
@@ -277,8 +277,8 @@ def _assemble(W: torch.Tensor, C: torch.Tensor, d_y: int) -> torch.Tensor:
 
 
 def gn_reduced(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> torch.Tensor:
-    r""":math:`H^{\mathrm{red}}_{\mathrm{GN}} = I_{d_y}\otimes W^\top W + C_\Sigma C_\Sigma^\top`,
-    :math:`W = T(K)\hat\Sigma^{1/2}`, :math:`C_\Sigma=(I\otimes\hat\Sigma^{1/2})C(V)` (``d_y N^2`` square; whitened
+    r""":math:`H^{\mathrm{red}}_{\mathrm{GN}} = I_{d_y}\otimes W^\top W + Q_\Sigma Q_\Sigma^\top`,
+    :math:`W = T(K)\hat\Sigma^{1/2}`, :math:`Q_\Sigma=(I\otimes\hat\Sigma^{1/2})Q(V)` (``d_y N^2`` square; whitened
     inputs when ``Sigma_hat`` is None). Same nonzero eigenvalues as :func:`gn_dense` (chapter 31)."""
     return _assemble(*_factors(K, V, Sigma_hat, image, padding))
 
@@ -321,8 +321,8 @@ def _ratio(t: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def bound_terms(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> dict[str, torch.Tensor]:
-    r"""The four singular values of the bound: :math:`\sigma_1(W)`, :math:`\sigma_r(W)`, :math:`\sigma_1(C_\Sigma)`,
-    :math:`\sigma_{d_yr}(C_\Sigma)` (zero where the matrix has fewer columns than that), :math:`r`
+    r"""The four singular values of the bound: :math:`\sigma_1(W)`, :math:`\sigma_r(W)`, :math:`\sigma_1(Q_\Sigma)`,
+    :math:`\sigma_{d_yr}(Q_\Sigma)` (zero where the matrix has fewer columns than that), :math:`r`
     the numerical rank of :math:`\hat\Sigma` (:math:`N^2` when it is None). Batched."""
     with config.cpu_threads(1, when=_SMALL):
         W, C, d_y = _factors(K, V, Sigma_hat, image, padding)
@@ -331,7 +331,7 @@ def bound_terms(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> dict[
 
 def kappa_bound(K, V, Sigma_hat=None, image: int = 8, padding: int = 0) -> torch.Tensor:
     r"""Lemma 1's shape for the convolutional network:
-    :math:`(\sigma_1^2(W)+\sigma_1^2(C_\Sigma))/(\sigma_r^2(W)+\sigma_{d_yr}^2(C_\Sigma))` (inf when the denominator
+    :math:`(\sigma_1^2(W)+\sigma_1^2(Q_\Sigma))/(\sigma_r^2(W)+\sigma_{d_yr}^2(Q_\Sigma))` (inf when the denominator
     vanishes). Batched (chapter 31)."""
     return _ratio(bound_terms(K, V, Sigma_hat, image, padding))
 
