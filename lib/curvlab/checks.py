@@ -1016,8 +1016,10 @@ VERDICT_KEYWORDS = {"reproduced": "reproduced", "not reproduced": "not_reproduce
                     "passed": "passed", "failed": "failed"}
 
 
-class NotRecorded(LookupError):
-    """:func:`value` or :func:`conclude` named a check or claim that this chapter has not recorded (yet)."""
+class NotRecorded(ValueError, LookupError):
+    """:func:`value` or :func:`conclude` named a check or claim that this chapter has not recorded (yet).
+
+    A ``ValueError`` (the argument ``name`` is wrong) and a ``LookupError`` (nothing recorded under it)."""
 
 
 def _g(r: Any, key: str) -> Any:

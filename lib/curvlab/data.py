@@ -41,7 +41,7 @@ MNIST_MD5 = {"train-images-idx3-ubyte.gz": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
              "train-labels-idx1-ubyte.gz": "d53e105ee54ea40749a09fcbcd1e9432",
              "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
              "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c"}
-#: The largest official IDX file (training images: a 16-byte header and 60,000 x 784 pixels); the default cap of
+#: The largest official IDX file (training images, a 16-byte header and 60,000 x 784 pixels); the default cap of
 #: :func:`read_idx` on the (decompressed) bytes it reads.
 IDX_MAX_BYTES = 16 + 60_000 * 784
 _IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}

@@ -152,7 +152,7 @@ class Problem:
     #: size of the softmax axis (cross-entropy) and the per-sample output shape, e.g. ``(c,)`` or ``(T, classes)``
     classes: int = 0
     out_shape: tuple = ()
-    #: the loss's divisor: the number of terms it averages over (``reduction="mean"``) or 1 (``"sum"``)
+    #: the loss's divisor, the number of terms it averages over (``reduction="mean"``) or 1 (``"sum"``)
     norm: float = 1.0
     #: the last :func:`jacobian`, with the parameters, buffers and modes it was computed at (reused while unchanged)
     _cache: tuple | None = field(default=None, repr=False, compare=False)

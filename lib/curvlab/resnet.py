@@ -271,7 +271,7 @@ CIFAR10_MD5 = {"data_batch_1": "c99cafc152244af753f735de768cd75f", "data_batch_2
                "data_batch_5": "482c414d41f54cd18b22e5b47cb7c3cb", "test_batch": "40351d587109b95175f43aff81a1287e"}
 #: Images in each official batch, and the bytes of one image (3 x 32 x 32, uint8).
 CIFAR10_BATCH_IMAGES, _IMAGE_BYTES = 10_000, 3072
-#: No batch file is read past this size (an official batch is about 31 MB: 30.72 MB of pixels, labels, names).
+#: No batch file is read past this size (an official batch is about 31 MB, 30.72 MB of pixels, labels, names).
 _CIFAR_MAX_FILE = 32 * 2 ** 20
 _INT_DTYPES = {"u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8"}
 

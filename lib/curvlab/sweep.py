@@ -628,6 +628,10 @@ def _reach(fn: Callable, code_modules: Sequence[str] | None = None, root: Path |
     without a module file (a notebook's) covers its source, its file-less helpers' and the whole package."""
     root = _ROOT if root is None else root
     modules: set[str] = set()
+    if code_modules is not None and (isinstance(code_modules, (str, bytes))
+                                     or not isinstance(code_modules, (list, tuple, set, frozenset))
+                                     or not all(isinstance(m, str) and m for m in code_modules)):
+        raise TypeError(f"code_modules must be a list of curvlab module names, got {code_modules!r}")
     for module in code_modules or ():
         full = module if module.startswith(_PACKAGE + ".") or module == _PACKAGE else f"{_PACKAGE}.{module}"
         if _module_file(root, full) is None:
