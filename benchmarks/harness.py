@@ -438,7 +438,9 @@ def code_revision(root: Path | None = None) -> dict[str, Any]:
                              timeout=5)
         if out.returncode == 0:
             rev = out.stdout.strip()
-            st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+            # results files are the benchmarks' outputs, not code: a run that has written some is still clean
+            st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS,
+                                 ":(exclude)benchmarks/results"],
                                 cwd=where, capture_output=True, text=True, timeout=5)
             changed = sorted(line[3:].strip() for line in st.stdout.splitlines() if line.strip())
     except (OSError, subprocess.SubprocessError):
