@@ -70,15 +70,19 @@ def test_seed_everything_reproduces_and_validates():
         config.seed_everything(-1)
 
 
-def test_setup_prints_one_line(monkeypatch, capsys):
+def test_setup_prints_the_run_line_and_the_thread_line(monkeypatch, capsys):
+    """One line for the run (profile, device, seed, versions, revision), one for the CPU threads and how to change
+    them (the thread policy of book/running.md, section Threads)."""
     monkeypatch.setenv("CURVLAB_PROFILE", "quick")
     monkeypatch.setenv("CURVLAB_DEVICE", "cpu")
+    monkeypatch.setenv("CURVLAB_THREADS", "1")
     info = curvlab.setup("unit_test", seed=7)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1
-    line = lines[0]
+    assert len(lines) == 2
+    line, threads = lines
     for part in ("profile=quick", "device=cpu", "seed=7", f"torch {torch.__version__}", "rev "):
         assert part in line
+    assert threads.startswith("CPU threads: 1 ") and "CURVLAB_THREADS" in threads
     assert info.chapter == "unit_test" and curvlab.checks.records() == []
     with pytest.raises(ValueError, match="chapter"):
         curvlab.setup("")
