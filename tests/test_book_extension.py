@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -277,3 +279,35 @@ def test_theorem_labels_in_latex_name_their_document_even_when_the_title_has_mar
     block2 = nodes.container()
     sec2 += block2
     assert proof_nodes.find_parent(env, block2, "section") == "notebooks/12_x"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The paper-scale page's {frame} figures (book/_ext/curvlab_frames.py)
+# --------------------------------------------------------------------------------------------------------
+def test_paper_scale_page_reads_every_frame_figure_from_the_committed_provenance():
+    import curvlab_frames as cf
+
+    page = (cf.ROOT / "book" / "paper_scale.md").read_text()
+    refs = cf.REF_RE.findall(page)
+    assert len(refs) >= 9, "the paper-scale page quotes its frames' times through {frame} references"
+    out = cf.process(page)
+    assert "{frame}" not in out
+    wall = json.loads((cf.FRAMES / "ch11_linrep_fig1.paper.json").read_text())["wall_s"]
+    assert f"{wall:.0f} s" in out
+    # a committed frame's time is never typed next to it: "NNN s of one CPU core" only through the role
+    assert not re.search(r"\|\s*\d[\d.,]*\s*s of one CPU core", page)
+
+
+def test_frame_reference_errors_name_what_is_missing(tmp_path):
+    import curvlab_frames as cf
+
+    (tmp_path / "g.paper.json").write_text(json.dumps({"wall_s": 12.4, "revisions": [], "timestamps": ["2026-12-05T01:00:00"],
+                                                        "threads": {"torch_threads": [1]}}))
+    assert cf.process("{frame}`g.paper::wall_s`", tmp_path) == "12 s"
+    assert cf.process("{frame}`g.paper::date`", tmp_path) == "2026-12-05"
+    with pytest.raises(cf.FramePageError, match="no committed frame"):
+        cf.process("{frame}`nope.paper::wall_s`", tmp_path)
+    with pytest.raises(cf.FramePageError, match="field in"):
+        cf.process("{frame}`g.paper::speed`", tmp_path)
+    with pytest.raises(cf.FramePageError, match="no value"):
+        cf.process("{frame}`g.paper::revision`", tmp_path)
