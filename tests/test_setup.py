@@ -157,3 +157,52 @@ def test_as_tensor_keeps_float64_precision():
 
     x = 1.2345678901234567
     assert float(as_tensor("x", x, dtype=torch.float64)) == x
+
+
+class _FakeDist:
+    def __init__(self, text):
+        self.text = text
+
+    def read_text(self, name):
+        assert name == "direct_url.json"
+        return self.text
+
+
+@pytest.mark.parametrize("record, expected", [
+    # pip's PEP 610 record of `pip install "curvlab @ git+https://...@main#subdirectory=lib"` (Colab's setup cell)
+    ('{"url": "https://github.com/o/r", "vcs_info": {"vcs": "git", "requested_revision": "main", '
+     '"commit_id": "0123456789abcdef0123456789abcdef01234567"}, "subdirectory": "lib"}', "0123456 (main, installed)"),
+    ('{"url": "https://github.com/o/r", "vcs_info": {"vcs": "git", '
+     '"commit_id": "0123456789abcdef0123456789abcdef01234567"}}', "0123456 (installed)"),
+])
+def test_installed_revision_reads_pips_record_of_a_git_install(monkeypatch, record, expected):
+    from importlib import metadata
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: _FakeDist(record))
+    assert curvlab.installed_revision() == expected
+
+
+@pytest.mark.parametrize("record", [
+    None,                                                   # no record: a copy on sys.path
+    '{"url": "file:///x/lib", "dir_info": {"editable": true}}',   # `make env`'s editable install
+    "not json",
+    '{"vcs_info": {"commit_id": "$(rm -rf /)"}}',           # never printed unless it is a commit hash
+    '{"vcs_info": "0123456789abcdef0123456789abcdef01234567"}',
+])
+def test_installed_revision_falls_back_to_git_and_never_prints_an_unchecked_record(monkeypatch, record):
+    from importlib import metadata
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: _FakeDist(record))
+    monkeypatch.setattr(config, "git_revision", lambda path=None: "abc1234")
+    assert curvlab.installed_revision() == "abc1234"
+
+
+def test_installed_revision_without_a_distribution(monkeypatch):
+    from importlib import metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    monkeypatch.setattr(config, "git_revision", lambda path=None: "unknown")
+    assert curvlab.installed_revision() == "unknown"

@@ -39,7 +39,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _SUBMODULES = ("config", "checks", "curvature", "linalg", "plotting", "sweep", "progress", "deep_linear", "meanfield", "precond", "primer", "regimes", "rmt", "linrep", "linrep_baselines", "singleindex", "synthesis", "interact", "paper_runs", "model", "conv", "resnet", "data")
-__all__ = ["setup", "__version__", *_SUBMODULES]
+__all__ = ["setup", "installed_revision", "__version__", *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
@@ -78,7 +78,7 @@ def setup(chapter: str, *, seed: int = 0, deterministic: bool = True, context: s
         seed=seed,
         torch_version=torch.__version__,
         curvlab_version=__version__,
-        revision=config.git_revision(),
+        revision=installed_revision(),
         threads=threads,
         threads_reason=threads_reason,
     )
@@ -88,6 +88,39 @@ def setup(chapter: str, *, seed: int = 0, deterministic: bool = True, context: s
             print(info.threads_line())
         _show_badge(info)
     return info
+
+
+def installed_revision() -> str:
+    """The revision of the curvlab code this kernel runs, as :func:`setup` prints it.
+
+    A copy pip installed from git (Colab's setup cell: ``curvlab @ git+<repo>@<ref>#subdirectory=lib``) has no
+    ``.git``; pip records the commit it built in the distribution's ``direct_url.json`` (PEP 610), and that commit is
+    returned, with the ref asked for (``'1a2b3c4 (main, installed)'``). Otherwise (an editable install in a clone,
+    or a copy on ``sys.path``) it is :func:`curvlab.config.git_revision` of the package's folder, ``'unknown'``
+    where neither says.
+    """
+    import json
+    import re
+    from importlib import metadata
+
+    from . import config
+
+    try:
+        text = metadata.distribution("curvlab").read_text("direct_url.json")
+    except (metadata.PackageNotFoundError, OSError):
+        text = None
+    if text:
+        try:
+            record = json.loads(text)
+        except ValueError:
+            record = None
+        vcs = record.get("vcs_info") if isinstance(record, dict) else None
+        commit = vcs.get("commit_id") if isinstance(vcs, dict) else None
+        if isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{40}", commit):
+            ref = vcs.get("requested_revision")
+            ref = ref if isinstance(ref, str) and re.fullmatch(r"[\w./-]{1,100}", ref) else None
+            return f"{commit[:7]} ({ref + ', ' if ref and not commit.startswith(ref) else ''}installed)"
+    return config.git_revision()
 
 
 def _show_badge(info: Any) -> None:
