@@ -155,6 +155,20 @@ def test_long_paragraphs_show_their_lead_sentence_and_go_whole_into_the_notes():
     assert slides.condensed(short) is None and slides.condensed("One sentence only " * 20) is None
 
 
+def test_long_list_items_show_their_lead_sentence_and_the_whole_list_goes_into_the_notes():
+    item = ("**The rank cut.** The first sentence says what the item is about. " + "Then the details follow, one "
+            "after the other, as the book tells them. " * 6).strip()
+    nested = "- **Kept whole.** It holds a nested list. " + "More words here. " * 20 + "\n  - a sub-item"
+    listing = f"- {item}\n- A short item stays.\n{nested}"
+    deck = layout([md(f"## Section\n\n{listing}")], condense=True)
+    shown = "\n".join(c.source for s in deck for c in s if c.metadata["slideshow"]["slide_type"] != "notes")
+    notes = [c for s in deck for c in s if c.metadata.get("curvlab_book_notes")]
+    assert "- **The rank cut.** The first sentence says what the item is about. …" in shown
+    assert "as the book tells them" not in shown and "- A short item stays." in shown and "  - a sub-item" in shown
+    assert len(notes) == 1 and notes[0].source == listing
+    assert slides.condensed_list("- short\n- items only") is None
+
+
 def test_every_chapters_deck_has_speaker_notes_for_its_prose():
     """Without executing anything: each chapter's deck carries the book paragraphs it condenses as speaker notes, and
     no reference shows a raw label."""

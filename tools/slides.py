@@ -19,7 +19,8 @@
    proof or exercise box starts its own slide; **every figure gets a slide of its own**, scaled to the room left;
    code inputs are hidden unless the cell is tagged ``slide-code``; a Markdown cell tagged ``notes`` becomes the
    previous slide's speaker notes (``s`` in the deck); a book paragraph of more than ``SLIDE_WORDS`` words shows
-   its lead sentence on the slide and goes, whole, into the slide's notes. A slide that still overflows in the
+   its lead sentence on the slide and goes, whole, into the slide's notes, and so does a list with such items
+   (each long item cut to its lead sentence on the slide). A slide that still overflows in the
    browser scrolls.
    ``tests/test_slides.py`` checks every chapter's layout and renders one deck in headless Chromium.
 4. **Export** with nbconvert's reveal template, its CDN links replaced: reveal.js (with its notes plugin) comes
@@ -444,6 +445,21 @@ def condensed(md: str) -> str | None:
     return first + " …"
 
 
+def condensed_list(md: str) -> str | None:
+    """A list whose long items (more than ``SLIDE_WORDS`` words, see :func:`condensed`) are cut to their lead
+    sentence, or None when no item is: an item holding a nested list, display maths or code stays whole."""
+    out, changed = [], False
+    for item in list_items(md):
+        m = LIST_ITEM.match(item)
+        body = item[m.end():] if m else ""
+        short = None
+        if m and not re.search(r"^\s+([-*+]|\d+[.)])\s|\$\$|```|<", body, flags=re.M):
+            short = condensed(" ".join(line.strip() for line in body.splitlines()))
+        changed |= short is not None
+        out.append(m.group(0) + short if short is not None else item)
+    return "\n".join(out) if changed else None
+
+
 class DeckLayout:
     """Packs a chapter's blocks and outputs into slides of at most ``budget`` estimated pixels.
 
@@ -529,6 +545,16 @@ class DeckLayout:
                 self.add_md(short, self._h("text", short))
                 self.cur.book_notes.append(b.text)
                 return None
+        if b.kind == "list" and self.condense:
+            short = condensed_list(b.text)
+            if short is not None:  # each long item shows its lead sentence; the notes hold the whole list
+                self._place(Block("list", short), self._h("list", short))
+                self.cur.book_notes.append(b.text)
+                return None
+        return self._place(b, h)
+
+    def _place(self, b: Block, h: float) -> None:
+        """Put a paragraph, list, equation or listing on the current slide, or split it over slides below."""
         if h <= self.room():
             return self.add_md(b.text, h)
         if b.kind == "code":  # between lines
