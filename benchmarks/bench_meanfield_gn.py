@@ -485,15 +485,15 @@ def fault_profile(m: int = 500, dtype: torch.dtype = torch.float64, calls: int =
 
 def write_fault_profile(m: int = 500, calls: int = 3) -> pd.DataFrame:
     """:func:`fault_profile` at one thread, written to ``meanfield_gn_step_faults.{json,md}`` with provenance."""
-    from harness import figure, load_average, load_flag, machine_text, runs_text, trace_code, code_hashes, write_payload
+    from harness import (code_hashes, cpu_mark, figure, load_average, load_flag, machine_text, others_cpu, runs_text,
+                         trace_code, write_payload)
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        before = load_average()
-        t0 = time.perf_counter()
+        before, t0, mark = load_average(), time.perf_counter(), cpu_mark()
         frame = fault_profile(m, calls=calls)
-        after = load_average()
+        after, others = load_average(), others_cpu(mark)
         s = problem(N, D, 50)
         exercised = set()
         for route in (authors_gn_route, chunked_dense, structured):
@@ -501,8 +501,9 @@ def write_fault_profile(m: int = 500, calls: int = 3) -> pd.DataFrame:
     finally:
         torch.set_num_threads(previous)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    runs = [{"threads": 1, "load_before": before, "load_after": after, "wall_s": time.perf_counter() - t0,
-             "cores_available": cores, "flagged": load_flag(before, after, 1, cores)}]
+    runs = [{"threads": 1, "load_before": before, "load_after": after, "others_cores": others,
+             "wall_s": time.perf_counter() - t0, "cores_available": cores,
+             "flagged": load_flag(before, after, 1, cores, others)}]
     machine = machine_info(config.device())
     figures = {}
     for r in frame.itertuples():

@@ -36,7 +36,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
 import bench_gn_conditioning as gnc  # noqa: E402
-from harness import (ROOT as HROOT, code_hashes, default_threads, figure, load_average, load_flag,  # noqa: E402
+from harness import (ROOT as HROOT, code_hashes, cpu_mark, default_threads, figure, load_average, load_flag, others_cpu,  # noqa: E402
                      median_interval, trace_code, write_payload)
 
 SIZE = {"d": 16, "d_y": 10, "L": 3, "m": 52}
@@ -48,10 +48,11 @@ def _settings() -> list[int]:
     return [1, default_threads()] if default_threads() != 1 else [1]
 
 
-def _run_info(before, after, threads, t0) -> dict:
+def _run_info(before, after, threads, t0, others=None) -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"threads": threads, "load_before": before, "load_after": after, "wall_s": time.perf_counter() - t0,
-            "cores_available": cores, "flagged": load_flag(before, after, threads, cores)}
+    return {"threads": threads, "load_before": before, "load_after": after, "others_cores": others,
+            "wall_s": time.perf_counter() - t0, "cores_available": cores,
+            "flagged": load_flag(before, after, threads, cores, others)}
 
 
 def cold_calls(cold: int = 10, idle_s: float = 2.0, warm: int = 9) -> dict:
@@ -61,7 +62,7 @@ def cold_calls(cold: int = 10, idle_s: float = 2.0, warm: int = 9) -> dict:
     rows, runs = [], []
     exercised = trace_code(lambda: reduced(state))
     try:
-        before, t0 = load_average(), time.perf_counter()
+        before, t0, mark = load_average(), time.perf_counter(), cpu_mark()
         for k in range(cold):
             order = _settings() if k % 2 == 0 else _settings()[::-1]
             for t in order:
@@ -78,8 +79,8 @@ def cold_calls(cold: int = 10, idle_s: float = 2.0, warm: int = 9) -> dict:
                 reduced(state)
                 rows.append({"threads": t, "repeat": k, "cold_s": time.perf_counter() - s0,
                              "warm_median_s": float(np.median(w))})
-        after = load_average()
-        runs = [_run_info(before, after, t, t0) for t in _settings()]
+        after, others = load_average(), others_cpu(mark)
+        runs = [_run_info(before, after, t, t0, others) for t in _settings()]
     finally:
         torch.set_num_threads(previous)
     frame = pd.DataFrame(rows)
@@ -107,7 +108,7 @@ def chapter_runs(repeats: int = 5, cap: float = 240.0) -> dict:
     import subprocess
 
     rows = []
-    before, t0 = load_average(), time.perf_counter()
+    before, t0, mark = load_average(), time.perf_counter(), cpu_mark()
     for k in range(repeats):
         order = _settings() if k % 2 == 0 else _settings()[::-1]
         for t in order:
@@ -130,7 +131,7 @@ def chapter_runs(repeats: int = 5, cap: float = 240.0) -> dict:
                          "load_at_start": la})
             print(f"chapter 32 quick, {t} thread(s): {seconds:.1f} s" + (" (stopped at the cap)" if censored else "")
                   + (f" ERROR {err}" if err else ""), flush=True)
-    after = load_average()
+    after, others = load_average(), others_cpu(mark)
     frame = pd.DataFrame(rows)
     summary, figures = [], {}
     ones = frame[frame.threads == 1].set_index("repeat")["seconds"]
@@ -158,7 +159,7 @@ def chapter_runs(repeats: int = 5, cap: float = 240.0) -> dict:
     hashes = code_hashes(lib)
     hashes[CHAPTER] = hashlib.sha256((ROOT / CHAPTER).read_bytes()).hexdigest()
     return {"frame": frame, "summary": summary, "figures": figures,
-            "runs": [_run_info(before, after, t, t0) for t in _settings()], "exercised_code": hashes}
+            "runs": [_run_info(before, after, t, t0, others) for t in _settings()], "exercised_code": hashes}
 
 
 def cap_used(g: pd.DataFrame) -> float | None:

@@ -13,10 +13,16 @@
    interval of that median from order statistics (:func:`median_interval`: ``[x_(k), x_(n+1-k)]`` with the largest
    ``k`` whose binomial coverage is at least :data:`INTERVAL_COVERAGE`; its exact coverage is recorded), never a
    bootstrap of a median of three; fewer than :data:`MIN_REPEATS` values give no interval.
-5. *Load.* The one-minute load average is recorded before and after each thread setting's run. A run is *flagged*
-   (not refused: on a shared machine nothing would run) when another job's load exceeds :data:`LOAD_LIMIT_PER_CORE`
-   per core available: load before > limit x cores, or load after minus the run's own threads > limit x cores.
-   The flag and both loads are in the results file and in every table.
+5. *Load.* What other processes did to the CPUs during each thread setting's run is measured, not guessed:
+   :func:`cpu_mark` before and :func:`others_cpu` after give the average number of cores that anything but this
+   process and its children used over the run (all CPUs' busy time from ``/proc/stat``, steal included, less this
+   process's own user and system time and that of its reaped children, per second of wall time). A run is
+   *flagged* (not refused: on a shared machine nothing would run) when that exceeds :data:`OTHERS_LIMIT_CORES`.
+   The one-minute load average before and after is recorded too, but it does not decide the flag: it lags by a
+   minute, so it counts the previous thread setting's own threads as somebody else's load, and on this project's
+   virtual machines it has read 1.5-2 with every core idle. Where ``/proc/stat`` is missing (macOS) the old rule
+   applies: load before > :data:`LOAD_LIMIT_PER_CORE` x cores, or load after less the run's own threads above it.
+   The flag, the others' CPU use and both loads are in the results file and in every table.
 6. *Provenance.* Each results file records the revision (:func:`code_revision`; ``dirty`` when files under
    ``lib/`` or ``benchmarks/`` differ from it — the performance page refuses such a file), the SHA-256 of every
    library and benchmark source file the timed calls executed (traced once per variant, untimed:
@@ -83,7 +89,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MIN_REPEATS = 5
 #: The interval of a median ratio covers the true median with at least this probability (order statistics).
 INTERVAL_COVERAGE = 0.90
-#: A run is flagged when other jobs' one-minute load average exceeds this many per core available.
+#: A run is flagged when other processes used more than this many cores on average during it (protocol item 5).
+OTHERS_LIMIT_CORES = 0.25
+#: Where the CPUs' busy time cannot be read: flagged when the one-minute load average exceeds this per core.
 LOAD_LIMIT_PER_CORE = 0.5
 #: The thread settings every comparison runs at: one thread and torch's default.
 THREAD_SETTINGS = (1, "default")
@@ -93,13 +101,16 @@ PROTOCOL = {
     "min_repeats": MIN_REPEATS,
     "statistic": "median of paired per-repeat ratios",
     "interval": f"order statistics [x_(k), x_(n+1-k)], largest k with binomial coverage >= {INTERVAL_COVERAGE:g}",
+    "others_limit_cores": OTHERS_LIMIT_CORES,
     "load_limit_per_core": LOAD_LIMIT_PER_CORE,
-    "load_rule": "flagged when load before > limit x cores, or load after - own threads > limit x cores",
+    "load_rule": "flagged when other processes used more than others_limit_cores cores on average during the run "
+                 "(/proc/stat busy time, steal included, less this process's and its children's CPU time); "
+                 "without /proc/stat: load before > limit x cores, or load after - own threads > limit x cores",
 }
 
 __all__ = ["compare", "ratio_table", "machine_info", "write_results", "RESULTS_DIR", "scaling", "fit_exponent",
            "scaling_table", "write_scaling", "OVERHEAD_FACTOR", "MIN_SIZES", "MIN_REPEATS", "PROTOCOL",
-           "median_interval", "default_threads", "load_average", "load_flag", "trace_code", "code_hashes",
+           "median_interval", "default_threads", "load_average", "load_flag", "cpu_mark", "others_cpu", "trace_code", "code_hashes",
            "provenance", "figure"]
 
 #: A size is overhead-dominated when its median time is below OVERHEAD_FACTOR x the probe's (fixed cost <= 5 %).
@@ -181,8 +192,42 @@ def load_average() -> float | None:
     return float(os.getloadavg()[0]) if hasattr(os, "getloadavg") else None
 
 
-def load_flag(before: float | None, after: float | None, threads: int, cores: int | None = None) -> bool:
-    """True when other jobs' load exceeded :data:`LOAD_LIMIT_PER_CORE` per core during a run (protocol item 5)."""
+def _busy_seconds(stat: str = "/proc/stat") -> float | None:
+    """All CPUs' busy time since boot in seconds (user, nice, system, irq, softirq, steal), or None."""
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_mark() -> tuple[float, float | None, float]:
+    """A mark to measure others' CPU use from (:func:`others_cpu`): (wall clock, all CPUs' busy seconds, this
+    process's and its reaped children's CPU seconds)."""
+    t = os.times()
+    return time.perf_counter(), _busy_seconds(), t.user + t.system + t.children_user + t.children_system
+
+
+def others_cpu(mark: tuple[float, float | None, float], now: tuple[float, float | None, float] | None = None
+               ) -> float | None:
+    """The average number of cores that other processes kept busy since ``mark`` (None without ``/proc/stat``)."""
+    now = cpu_mark() if now is None else now
+    wall = now[0] - mark[0]
+    if mark[1] is None or now[1] is None or wall <= 0:
+        return None
+    return max(0.0, ((now[1] - mark[1]) - (now[2] - mark[2])) / wall)
+
+
+def load_flag(before: float | None, after: float | None, threads: int, cores: int | None = None,
+              others: float | None = None) -> bool:
+    """True when other processes loaded the machine during a run (protocol item 5): ``others`` (cores, from
+    :func:`others_cpu`) above :data:`OTHERS_LIMIT_CORES`; without it, the load-average rule."""
+    if others is not None:
+        return bool(others > OTHERS_LIMIT_CORES)
     cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     limit = LOAD_LIMIT_PER_CORE * cores
     return bool((before is not None and before > limit) or (after is not None and after - threads > limit))
@@ -328,7 +373,7 @@ def compare(
     try:
         for t_label, nthreads in zip(threads, settings_threads):
             torch.set_num_threads(nthreads)
-            before, t_start = load_average(), time.perf_counter()
+            before, t_start, mark = load_average(), time.perf_counter(), cpu_mark()
             for i, size in enumerate(sizes):
                 if setup is not None and i not in states:
                     states[i] = setup(**size)
@@ -353,10 +398,10 @@ def compare(
                                      "variant": v, "repeat": rep, "order": pos, "time_s": t,
                                      "calls_per_timing": number[v], "peak_mem_bytes": mem[v][0],
                                      "mem_method": mem[v][1], "device": str(dev)})
-            after = load_average()
+            after, others = load_average(), others_cpu(mark)
             runs.append({"threads": nthreads, "setting": str(t_label), "load_before": before, "load_after": after,
-                         "wall_s": time.perf_counter() - t_start, "cores_available": cores,
-                         "flagged": load_flag(before, after, nthreads, cores)})
+                         "others_cores": others, "wall_s": time.perf_counter() - t_start, "cores_available": cores,
+                         "flagged": load_flag(before, after, nthreads, cores, others)})
     finally:
         torch.set_num_threads(previous)
     frame = pd.DataFrame(rows)
@@ -491,12 +536,15 @@ def _kv(d: Mapping[str, Any]) -> str:
 
 
 def runs_text(runs: Sequence[Mapping[str, Any]]) -> str:
-    """One clause per thread setting: threads, load before/after, flagged or not."""
+    """One clause per thread setting: threads, others' CPU use, load before/after, flagged or not."""
     parts = []
     for r in runs:
-        parts.append(f"{r['threads']} thread{'s' if r['threads'] != 1 else ''}: load average "
-                     f"{_fmt(r.get('load_before'), '.2f')} before, {_fmt(r.get('load_after'), '.2f')} after on "
-                     f"{r.get('cores_available', '?')} cores"
+        others = r.get("others_cores")
+        parts.append(f"{r['threads']} thread{'s' if r['threads'] != 1 else ''}: "
+                     + (f"other processes used {others:.2f} cores on average (load average " if others is not None
+                        else "load average ")
+                     + f"{_fmt(r.get('load_before'), '.2f')} before, {_fmt(r.get('load_after'), '.2f')} after"
+                     + (")" if others is not None else "") + f" on {r.get('cores_available', '?')} cores"
                      + (" — **flagged: the machine was loaded**" if r.get("flagged") else ""))
     return "; ".join(parts)
 

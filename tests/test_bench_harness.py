@@ -404,3 +404,34 @@ def test_performance_page_every_number_traceable_to_a_committed_clean_results_fi
     spec.loader.exec_module(run_all)
     block = text.split(run_all.START, 1)[1].split(run_all.END, 1)[0]
     assert block.strip() == run_all.scaling_section().strip(), "rerun benchmarks/run_all.py --page-only"
+
+
+def test_bench_harness_flags_by_others_cpu_use_not_the_load_average(harness):
+    lim = harness.OTHERS_LIMIT_CORES
+    # the measured rule wins over a lagging load average in both directions
+    assert not harness.load_flag(1.9, 2.1, threads=2, cores=2, others=0.01)
+    assert harness.load_flag(0.0, 0.0, threads=1, cores=2, others=lim + 0.05)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/stat"), reason="needs /proc/stat (Linux)")
+def test_bench_harness_others_cpu_counts_a_child_as_own_and_a_stranger_as_others(harness):
+    import subprocess
+    import sys
+    import time
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"
+    mark = harness.cpu_mark()
+    subprocess.run([sys.executable, "-c", burn], check=True)          # a reaped child: this process's own time
+    own = harness.others_cpu(mark)
+    mark = harness.cpu_mark()
+    stranger = subprocess.Popen([sys.executable, "-c", burn])           # still running at the second mark
+    time.sleep(0.5)
+    others = harness.others_cpu(mark)
+    stranger.wait()
+    # the child's 0.6 CPU-s must not be counted; the running stranger must (it burned ~0.4 s in 0.5 s);
+    # the margins allow for the rest of a shared machine, which this test cannot control
+    assert others is not None and own is not None
+    assert others > own + 0.3 or others > 0.5, (own, others)
+    synthetic = harness.others_cpu((0.0, 100.0, 10.0), (2.0, 103.0, 11.0))   # 3 busy s, 1 own, over 2 s
+    assert synthetic == pytest.approx(1.0)
+    assert harness.others_cpu((0.0, None, 0.0), (1.0, 5.0, 0.0)) is None
