@@ -1,4 +1,4 @@
-"""Sphinx extension: the performance page's every figure comes from a committed benchmark results file.
+"""Sphinx extension: every figure of the performance page (and the running page's chapter-times table) comes from a committed benchmark results file.
 
 ``book/performance.md`` names its results in two ways, both resolved when the page is read (``source-read``):
 
@@ -28,7 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-PAGE_DOCNAMES = ("book/performance",)
+PAGE_DOCNAMES = ("book/performance", "book/running")  # running: the chapter-times table
 INCLUDE_RE = re.compile(r"```\{(include|figure)\}\s+\.\./benchmarks/results/([\w.-]+)\.(md|png)[^\n]*\n(.*?)```",
                         re.S)
 REF_RE = re.compile(r"\{bench\}`([^`]+)`")
