@@ -13,13 +13,19 @@
 
 Both write ``benchmarks/results/<name>.{json,md}`` with the harness's provenance and the load before and after.
 
+``--busy N`` repeats a part with N other jobs running: N processes started by the benchmark, each spinning on one
+core for as long as the part runs (a second kernel, a browser tab, a compiler — what a student's laptop runs beside a
+chapter). Those reports are ``<name>_busy``; their runs are flagged, since that load is the experiment.
+
     python benchmarks/bench_threads.py            # 10 cold calls per setting; the chapter 5 times per setting
     python benchmarks/bench_threads.py --quick    # 4 cold calls; the chapter 2 times per setting
+    python benchmarks/bench_threads.py --busy 1   # the same with one other job spinning on a core
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import sys
@@ -162,6 +168,21 @@ def chapter_runs(repeats: int = 5, cap: float = 240.0) -> dict:
             "runs": [_run_info(before, after, t, t0, others) for t in _settings()], "exercised_code": hashes}
 
 
+@contextlib.contextmanager
+def other_jobs(n: int):
+    """``n`` processes spinning on a core each while the block runs (the benchmark's own, so its load is known)."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(int(n))]
+    try:
+        time.sleep(1.0 if procs else 0.0)  # let them reach a core before anything is timed
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def cap_used(g: pd.DataFrame) -> float | None:
     c = g.loc[g["censored"], "seconds"]
     return float(c.max()) if len(c) else None
@@ -171,17 +192,22 @@ def _fmt(x, spec):
     return "–" if x is None or not np.isfinite(x) else format(x, spec)
 
 
-def main(quick: bool = False, parts: str = "cold,chapter") -> list:
+def main(quick: bool = False, parts: str = "cold,chapter", busy: int = 0) -> list:
     from harness import runs_text, machine_text, machine_info
 
     tables = []
+    suffix = "_busy" if busy else ""
+    busy_text = (f" While it ran, {busy} other process{'es' if busy > 1 else ''} started by this benchmark spun on a "
+                 "core each: the other job this measurement is about (its runs are flagged for that load)."
+                 if busy else "")
     if "cold" in parts:
-        res = cold_calls(cold=4 if quick else 10)
+        with other_jobs(busy):
+            res = cold_calls(cold=4 if quick else 10)
         m = machine_info()
-        md = [f"**Benchmark `thread_cold_calls`** — one call of the reduced κ route (d = {SIZE['d']}, d_y = "
+        md = [f"**Benchmark `thread_cold_calls{suffix}`** — one call of the reduced κ route (d = {SIZE['d']}, d_y = "
               f"{SIZE['d_y']}, L = {SIZE['L']}, m = {SIZE['m']}) after {2:g} idle seconds, per thread setting, the "
               "settings alternated; warm = median of 9 back-to-back calls just before; *stalls* = cold calls over "
-              f"{SLOW_S:g} s.", "",
+              f"{SLOW_S:g} s.{busy_text}", "",
               f"Runs: {runs_text(res['runs'])}.", "", f"Machine: {machine_text(m)}.", "",
               "| threads | cold calls | warm median (ms) | cold median (ms) | interval (ms) | slowest cold (ms) | stalls |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -189,21 +215,22 @@ def main(quick: bool = False, parts: str = "cold,chapter") -> list:
             md.append(f"| {r['threads']} | {r['calls']} | {r['warm_median_ms']:.2f} | {r['cold_median_ms']:.2f} | "
                       f"{_fmt(r['cold_interval_ms'][0], '.3g')}–{_fmt(r['cold_interval_ms'][1], '.3g')} | "
                       f"{r['cold_max_ms']:.1f} | {r['slow_calls']} |")
-        write_payload("thread_cold_calls", {
-            "machine": m, "settings": {"size": SIZE, "idle_s": 2.0, "cold_calls": len(res["frame"]) // len(_settings()),
+        write_payload(f"thread_cold_calls{suffix}", {
+            "machine": m, "settings": {"size": SIZE, "idle_s": 2.0, "other_jobs": busy, "cold_calls": len(res["frame"]) // len(_settings()),
                                        "threads": _settings(), "stall_s": SLOW_S},
             "runs": res["runs"], "flagged": any(r["flagged"] for r in res["runs"]),
             "exercised_code": res["exercised_code"], "figures": res["figures"], "summary": res["summary"],
             "records": res["frame"].to_dict(orient="records")}, "\n".join(md) + "\n")
         tables.append(pd.DataFrame(res["summary"]))
     if "chapter" in parts:
-        res = chapter_runs(repeats=2 if quick else 5)
+        with other_jobs(busy):
+            res = chapter_runs(repeats=2 if quick else 5)
         m = machine_info()
-        md = ["**Benchmark `thread_chapter`** — chapter 32 (`" + CHAPTER + "`) executed in the quick profile by "
+        md = [f"**Benchmark `thread_chapter{suffix}`** — chapter 32 (`" + CHAPTER + "`) executed in the quick profile by "
               "`jupyter nbconvert --execute` (a fresh kernel per run, its start included), with `CURVLAB_THREADS` (and `OMP_NUM_THREADS`) = 1 and = the cores available, "
               "alternated run by run, a fresh sweep cache for every run; ratio = the run's time over the 1-thread "
               "run of the same repeat (median and order-statistic interval). A run still going after "
-              "240 s was stopped and counts as 240 s (a lower bound).", "",
+              "240 s was stopped and counts as 240 s (a lower bound)." + busy_text, "",
               f"Runs: {runs_text(res['runs'])}; load at the start of each run in the JSON.", "",
               f"Machine: {machine_text(m)}.", "",
               "| threads | runs | median (s) | range (s) | ratio to 1 thread | interval | stopped at the cap | errors |",
@@ -212,8 +239,8 @@ def main(quick: bool = False, parts: str = "cold,chapter") -> list:
             md.append(f"| {r['threads']} | {r['runs']} | {r['median_s']:.1f} | {r['min_s']:.1f}–{r['max_s']:.1f} | "
                       f"{r['ratio_to_1_thread']:.2f} | {_fmt(r['ratio_interval'][0], '.2f')}–"
                       f"{_fmt(r['ratio_interval'][1], '.2f')} | {r['censored_runs']} | {r['errors']} |")
-        write_payload("thread_chapter", {
-            "machine": m, "settings": {"chapter": CHAPTER, "profile": "quick", "repeats": len(res["frame"]) //
+        write_payload(f"thread_chapter{suffix}", {
+            "machine": m, "settings": {"chapter": CHAPTER, "profile": "quick", "other_jobs": busy, "repeats": len(res["frame"]) //
                                        len(_settings()), "threads": _settings()},
             "runs": res["runs"], "flagged": any(r["flagged"] for r in res["runs"]),
             "exercised_code": res["exercised_code"], "figures": res["figures"], "summary": res["summary"],
@@ -226,7 +253,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--parts", default="cold,chapter", help="cold, chapter or both (comma-separated)")
+    parser.add_argument("--busy", type=int, default=0, help="other jobs spinning on a core each while it runs")
     args = parser.parse_args()
     pd.set_option("display.width", 200)
-    for t in main(args.quick, args.parts):
+    for t in main(args.quick, args.parts, args.busy):
         print(t.to_string(index=False))
