@@ -183,6 +183,30 @@ def other_jobs(n: int):
             proc.wait()
 
 
+def policy_verdict(busy_summary: list[dict], idle_file: Path | None = None) -> dict:
+    """Does the two-core rule (one thread) hold up? Read from the idle chapter runs (``thread_chapter.json``) and
+    these busy ones: it stands when the default's time over one thread's is at least 0.9 on the idle machine (one
+    thread at most about 10 % slower) and the interval of that ratio lies above 1 with another job running."""
+    import json
+
+    from harness import RESULTS_DIR
+
+    idle_file = idle_file or RESULTS_DIR / "thread_chapter.json"
+    if not idle_file.is_file():
+        return figure(None, "not decided: no idle run (thread_chapter.json) to compare with")
+    idle = {r["threads"]: r for r in json.loads(idle_file.read_text())["summary"]}
+    busy = {r["threads"]: r for r in busy_summary}
+    t = max(busy)
+    if t == 1 or t not in idle:
+        return figure(None, "not decided: one thread is the default here")
+    r_idle, r_busy, lo_busy = idle[t]["ratio_to_1_thread"], busy[t]["ratio_to_1_thread"], busy[t]["ratio_interval"][0]
+    stands = r_idle >= 0.9 and np.isfinite(lo_busy) and lo_busy > 1.0
+    text = (("the two-core rule stands: " if stands else "the measurements do not support the two-core rule: ")
+            + f"torch's default took {r_idle:.2f}× one thread's time on the idle machine and {r_busy:.2f}× "
+            f"(interval from {lo_busy:.2f}) with another job running")
+    return figure(1.0 if stands else 0.0, text, idle_ratio=r_idle, busy_ratio=r_busy, busy_ratio_low=lo_busy)
+
+
 def cap_used(g: pd.DataFrame) -> float | None:
     c = g.loc[g["censored"], "seconds"]
     return float(c.max()) if len(c) else None
@@ -239,6 +263,8 @@ def main(quick: bool = False, parts: str = "cold,chapter", busy: int = 0) -> lis
             md.append(f"| {r['threads']} | {r['runs']} | {r['median_s']:.1f} | {r['min_s']:.1f}–{r['max_s']:.1f} | "
                       f"{r['ratio_to_1_thread']:.2f} | {_fmt(r['ratio_interval'][0], '.2f')}–"
                       f"{_fmt(r['ratio_interval'][1], '.2f')} | {r['censored_runs']} | {r['errors']} |")
+        if busy:
+            res["figures"]["policy"] = policy_verdict(res["summary"])
         write_payload(f"thread_chapter{suffix}", {
             "machine": m, "settings": {"chapter": CHAPTER, "profile": "quick", "other_jobs": busy, "repeats": len(res["frame"]) //
                                        len(_settings()), "threads": _settings()},

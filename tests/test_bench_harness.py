@@ -435,3 +435,22 @@ def test_bench_harness_others_cpu_counts_a_child_as_own_and_a_stranger_as_others
     synthetic = harness.others_cpu((0.0, 100.0, 10.0), (2.0, 103.0, 11.0))   # 3 busy s, 1 own, over 2 s
     assert synthetic == pytest.approx(1.0)
     assert harness.others_cpu((0.0, None, 0.0), (1.0, 5.0, 0.0)) is None
+
+
+def test_thread_policy_verdict_is_read_from_the_idle_and_busy_runs(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("curvlab_bench_threads", BENCH / "bench_threads.py")
+    bt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bt)
+    idle = tmp_path / "thread_chapter.json"
+    one = {"threads": 1, "ratio_to_1_thread": 1.0, "ratio_interval": [1.0, 1.0]}
+
+    def busy(r, lo):
+        return [one, {"threads": 2, "ratio_to_1_thread": r, "ratio_interval": [lo, r + 1]}]
+
+    assert bt.policy_verdict(busy(3.0, 2.0), idle)["value"] is None               # no idle run: undecided
+    idle.write_text(json.dumps({"summary": [one, {"threads": 2, "ratio_to_1_thread": 0.95}]}))
+    assert bt.policy_verdict(busy(3.0, 2.0), idle)["value"] == 1.0                # slower when busy: stands
+    assert bt.policy_verdict(busy(1.0, 0.9), idle)["value"] == 0.0                # no difference when busy
+    idle.write_text(json.dumps({"summary": [one, {"threads": 2, "ratio_to_1_thread": 0.6}]}))
+    assert bt.policy_verdict(busy(3.0, 2.0), idle)["value"] == 0.0                # one thread much slower idle
