@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from harness import (code_hashes, cpu_mark, figure, load_average, load_flag, machine_info, machine_text,  # noqa: E402
-                     others_cpu, runs_text, write_payload)
+                     others_cpu, run_to_completion, runs_text, write_payload)
 
 #: Environment variables a student's kernel would not have: the book build's, and any thread setting.
 CLEARED = ("CURVLAB_BOOK_BUILD", "CURVLAB_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CURVLAB_LEDGER_DIR",
@@ -61,14 +60,14 @@ def run_chapter(path: Path, profile: str, timeout: float) -> dict:
         cmd = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
                f"--ExecutePreprocessor.timeout={int(timeout)}", "--output", str(Path(tmp) / "out.ipynb"), str(path)]
         mark, t0 = cpu_mark(), time.perf_counter()
-        try:
-            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 60)
-            seconds = time.perf_counter() - t0
-            outcome = "ran" if res.returncode == 0 else "failed: " + (res.stderr.strip().splitlines() or ["?"])[-1][:200]
-        except subprocess.TimeoutExpired:
-            seconds, outcome = time.perf_counter() - t0, f"stopped after {timeout:g} s"
-        others = others_cpu(mark)
-    return {"chapter": path.stem, "seconds": seconds, "outcome": outcome, "others_cores": others}
+        code, stderr, lost = run_to_completion(cmd, env=env, timeout=timeout + 60)  # killed whole at the limit
+        seconds = time.perf_counter() - t0
+        if code is None:
+            outcome = f"stopped after {timeout:g} s"
+        else:
+            outcome = "ran" if code == 0 else "failed: " + (stderr.strip().splitlines() or ["?"])[-1][:200]
+        others = others_cpu(mark, own_extra=lost)
+    return {"chapter": path.stem, "seconds": seconds, "outcome": outcome, "others_cores": others, "unreaped_cpu_s": lost}
 
 
 def main(quick: bool = False, profile: str = "standard", names: list[str] | None = None,
@@ -82,11 +81,13 @@ def main(quick: bool = False, profile: str = "standard", names: list[str] | None
     threads, why = config.thread_policy(environ=env)
     rows = []
     before, t0, mark = load_average(), time.perf_counter(), cpu_mark()
+    unreaped = 0.0
     for path in todo:
         row = run_chapter(path, profile, timeout)
         rows.append(row)
+        unreaped += row["unreaped_cpu_s"]
         print(f"  {row['chapter']}: {row['seconds']:.1f} s, {row['outcome']}", flush=True)
-    after, others = load_average(), others_cpu(mark)
+    after, others = load_average(), others_cpu(mark, own_extra=unreaped)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     runs = [{"threads": threads, "load_before": before, "load_after": after, "others_cores": others,
              "wall_s": time.perf_counter() - t0, "cores_available": cores,

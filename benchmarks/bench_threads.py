@@ -42,7 +42,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
 import bench_gn_conditioning as gnc  # noqa: E402
-from harness import (ROOT as HROOT, code_hashes, cpu_mark, default_threads, figure, load_average, load_flag, others_cpu,  # noqa: E402
+from harness import (ROOT as HROOT, code_hashes, cpu_mark, default_threads, figure, load_average, load_flag, others_cpu,
+                     run_to_completion,  # noqa: E402
                      median_interval, trace_code, write_payload)
 
 SIZE = {"d": 16, "d_y": 10, "L": 3, "m": 52}
@@ -111,9 +112,7 @@ def chapter_runs(repeats: int = 5, cap: float = 240.0) -> dict:
     """Chapter 32 in the quick profile by ``jupyter nbconvert --execute`` (a fresh kernel per run), at one thread
     and at the default, alternated; a run longer than ``cap`` seconds is stopped and recorded as censored at
     ``cap`` (its time is at least that)."""
-    import subprocess
-
-    rows = []
+    rows, unreaped = [], 0.0
     before, t0, mark = load_average(), time.perf_counter(), cpu_mark()
     for k in range(repeats):
         order = _settings() if k % 2 == 0 else _settings()[::-1]
@@ -127,17 +126,18 @@ def chapter_runs(repeats: int = 5, cap: float = 240.0) -> dict:
                        "--ExecutePreprocessor.timeout=900", "--output", str(Path(tmp) / "out.ipynb"),
                        str(ROOT / CHAPTER)]
                 la, s0 = load_average(), time.perf_counter()
-                try:
-                    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cap)
-                    seconds, censored = time.perf_counter() - s0, False
-                    err = None if res.returncode == 0 else res.stderr[-300:]
-                except subprocess.TimeoutExpired:
+                code, stderr, lost = run_to_completion(cmd, env=env, timeout=cap)  # at the cap: killed whole
+                unreaped += lost
+                if code is None:
                     seconds, censored, err = cap, True, None
+                else:
+                    seconds, censored = time.perf_counter() - s0, False
+                    err = None if code == 0 else stderr[-300:]
             rows.append({"threads": t, "repeat": k, "seconds": seconds, "censored": censored, "error": err,
                          "load_at_start": la})
             print(f"chapter 32 quick, {t} thread(s): {seconds:.1f} s" + (" (stopped at the cap)" if censored else "")
                   + (f" ERROR {err}" if err else ""), flush=True)
-    after, others = load_average(), others_cpu(mark)
+    after, others = load_average(), others_cpu(mark, own_extra=unreaped)
     frame = pd.DataFrame(rows)
     summary, figures = [], {}
     ones = frame[frame.threads == 1].set_index("repeat")["seconds"]

@@ -110,7 +110,7 @@ PROTOCOL = {
 
 __all__ = ["compare", "ratio_table", "machine_info", "write_results", "RESULTS_DIR", "scaling", "fit_exponent",
            "scaling_table", "write_scaling", "OVERHEAD_FACTOR", "MIN_SIZES", "MIN_REPEATS", "PROTOCOL",
-           "median_interval", "default_threads", "load_average", "load_flag", "cpu_mark", "others_cpu", "trace_code", "code_hashes",
+           "median_interval", "default_threads", "load_average", "load_flag", "cpu_mark", "others_cpu", "run_to_completion", "trace_code", "code_hashes",
            "provenance", "figure"]
 
 #: A size is overhead-dominated when its median time is below OVERHEAD_FACTOR x the probe's (fixed cost <= 5 %).
@@ -212,14 +212,53 @@ def cpu_mark() -> tuple[float, float | None, float]:
     return time.perf_counter(), _busy_seconds(), t.user + t.system + t.children_user + t.children_system
 
 
-def others_cpu(mark: tuple[float, float | None, float], now: tuple[float, float | None, float] | None = None
-               ) -> float | None:
-    """The average number of cores that other processes kept busy since ``mark`` (None without ``/proc/stat``)."""
+def others_cpu(mark: tuple[float, float | None, float], now: tuple[float, float | None, float] | None = None,
+               own_extra: float = 0.0) -> float | None:
+    """The average number of cores that other processes kept busy since ``mark`` (None without ``/proc/stat``).
+    ``own_extra``: CPU seconds of this process's descendants that it did not reap (:func:`run_to_completion`)."""
     now = cpu_mark() if now is None else now
     wall = now[0] - mark[0]
     if mark[1] is None or now[1] is None or wall <= 0:
         return None
-    return max(0.0, ((now[1] - mark[1]) - (now[2] - mark[2])) / wall)
+    return max(0.0, ((now[1] - mark[1]) - (now[2] - mark[2]) - own_extra) / wall)
+
+
+def run_to_completion(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
+                      cwd: str | Path | None = None) -> tuple[int | None, str, float]:
+    """Run ``cmd``; return ``(exit code, stderr, 0.0)``, or, when it ran past ``timeout``, ``(None, stderr, CPU
+    seconds of the processes it had started)``.
+
+    At the limit every process ``cmd`` started is killed too — ``jupyter nbconvert`` runs its kernel in a session of
+    its own, which killing nbconvert alone leaves running — so nothing goes on loading the runs that follow. Those
+    processes are reaped by init, not by this process, so their CPU time never reaches this process's children's
+    time: it is returned, measured just before they are killed, for :func:`others_cpu` (``own_extra``) to count as
+    the benchmark's own."""
+    import subprocess
+
+    import psutil
+
+    proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), cwd=cwd, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err or "", 0.0
+    except subprocess.TimeoutExpired:
+        try:
+            started = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
+        proc.kill()                       # first the command, so that it reaps none of the others
+        _, err = proc.communicate()
+        cpu = 0.0
+        for child in started:
+            try:
+                t = child.cpu_times()
+                cpu += t.user + t.system + t.children_user + t.children_system
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(started, timeout=10)
+        return None, err or "", cpu
 
 
 def load_flag(before: float | None, after: float | None, threads: int, cores: int | None = None,

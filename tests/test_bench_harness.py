@@ -454,3 +454,24 @@ def test_thread_policy_verdict_is_read_from_the_idle_and_busy_runs(tmp_path, mon
     assert bt.policy_verdict(busy(1.0, 0.9), idle)["value"] == 0.0                # no difference when busy
     idle.write_text(json.dumps({"summary": [one, {"threads": 2, "ratio_to_1_thread": 0.6}]}))
     assert bt.policy_verdict(busy(3.0, 2.0), idle)["value"] == 0.0                # one thread much slower idle
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/stat"), reason="needs /proc (Linux)")
+def test_bench_harness_kills_what_a_timed_out_command_started_and_counts_its_cpu(harness, tmp_path):
+    """As nbconvert does with its kernel: the command starts a CPU-bound grandchild in a session of its own."""
+    import os
+    import sys
+    import time
+
+    pidfile = tmp_path / "grandchild.pid"
+    spin = "while True: pass"
+    parent = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', {spin!r}], "
+              f"start_new_session=True)\nopen({str(pidfile)!r}, 'w').write(str(p.pid))\ntime.sleep(60)")
+    code, _, lost = harness.run_to_completion([sys.executable, "-c", parent], timeout=2.0)
+    assert code is None and lost > 0.5                       # the grandchild's CPU time is returned
+    pid = int(pidfile.read_text())
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)                                      # and it no longer runs
+    code, err, lost = harness.run_to_completion([sys.executable, "-c", "import sys; sys.exit(3)"], timeout=30)
+    assert (code, lost) == (3, 0.0)
