@@ -248,7 +248,6 @@ def run_to_completion(cmd: Sequence[str], *, env: Mapping[str, str] | None = Non
         except psutil.NoSuchProcess:
             started = []
         proc.kill()                       # first the command, so that it reaps none of the others
-        _, err = proc.communicate()
         cpu = 0.0
         for child in started:
             try:
@@ -258,6 +257,7 @@ def run_to_completion(cmd: Sequence[str], *, env: Mapping[str, str] | None = Non
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(started, timeout=10)
+        _, err = proc.communicate()       # only now: a process it started may hold its stderr open
         return None, err or "", cpu
 
 

@@ -475,3 +475,16 @@ def test_bench_harness_kills_what_a_timed_out_command_started_and_counts_its_cpu
         os.kill(pid, 0)                                      # and it no longer runs
     code, err, lost = harness.run_to_completion([sys.executable, "-c", "import sys; sys.exit(3)"], timeout=30)
     assert (code, lost) == (3, 0.0)
+
+
+def test_running_page_chapter_times_come_from_a_committed_clean_results_file(bench_ext):
+    """The running page's per-chapter times (and the figures in its profile table) are the committed measurement."""
+    page = ROOT / "book" / "running.md"
+    assert "book/running" in bench_ext.PAGE_DOCNAMES
+    text, names = bench_ext.process(page.read_text())     # raises on a missing, dirty or pre-protocol file
+    assert names == ["chapter_times_standard"] and "{bench}" not in text
+    payload = json.loads((ROOT / "benchmarks" / "results" / "chapter_times_standard.json").read_text())
+    assert all(r["outcome"] == "ran" for r in payload["rows"])
+    section = page.read_text().split("(running-chapter-times)=", 1)[1].split("(running-threads)=", 1)[0]
+    profiles = page.read_text().split("## Profiles and expected times", 1)[1].split("(running-chapter-times)=", 1)[0]
+    assert hand_typed_measurements(section + profiles) == [], "hand-typed measured times on book/running.md"
