@@ -201,8 +201,9 @@ def policy_verdict(busy_summary: list[dict], idle_file: Path | None = None) -> d
         return figure(None, "not decided: one thread is the default here")
     r_idle, r_busy, lo_busy = idle[t]["ratio_to_1_thread"], busy[t]["ratio_to_1_thread"], busy[t]["ratio_interval"][0]
     stands = r_idle >= 0.9 and np.isfinite(lo_busy) and lo_busy > 1.0
+    at_least = "at least " if busy[t].get("censored_runs") else ""  # runs stopped at the cap: lower bounds
     text = (("the two-core rule stands: " if stands else "the measurements do not support the two-core rule: ")
-            + f"torch's default took {r_idle:.2f}× one thread's time on the idle machine and {r_busy:.2f}× "
+            + f"torch's default took {r_idle:.2f}× one thread's time on the idle machine and {at_least}{r_busy:.2f}× "
             f"(interval from {lo_busy:.2f}) with another job running")
     return figure(1.0 if stands else 0.0, text, idle_ratio=r_idle, busy_ratio=r_busy, busy_ratio_low=lo_busy)
 
