@@ -122,7 +122,34 @@ def preamble(path: Path = ROOT / "book" / "macros.yml") -> str:
     return "\n".join(lines) + "\n"
 
 
-class FigureCaptions:
+class LatexTransform:
+    """A Sphinx post-transform of the LaTeX builder: a subclass gives :meth:`apply_to` (what it does to a document)
+    and ``priority`` (where it runs among Sphinx's and MyST-NB's post-transforms)."""
+
+    priority = 3
+
+    @classmethod
+    def apply_to(cls, document) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    @classmethod
+    def setup(cls, app) -> None:
+        from sphinx.transforms.post_transforms import SphinxPostTransform
+
+        owner = cls
+
+        class Transform(SphinxPostTransform):
+            default_priority = owner.priority
+            formats = ("latex",)
+
+            def run(self, **kwargs) -> None:
+                owner.apply_to(self.document)
+
+        Transform.__name__ = Transform.__qualname__ = f"{cls.__name__}Transform"
+        app.add_post_transform(Transform)
+
+
+class FigureCaptions(LatexTransform):
     """Sphinx post-transform (LaTeX builder): keep the caption of every ``curvlab.plotting.show`` figure.
 
     A figure from ``plotting.show`` is one output with two representations: HTML (``<figure>`` with the image, its
@@ -135,39 +162,31 @@ class FigureCaptions:
     CAPTION = re.compile(r"<figcaption>\s*<strong>(.*?)</strong>\s*(.*?)</figcaption>", re.S)
 
     @classmethod
-    def setup(cls, app) -> None:
+    def apply_to(cls, document) -> None:
         from docutils import nodes
-        from sphinx.transforms.post_transforms import SphinxPostTransform
 
         caption_re = cls.CAPTION
 
-        class Transform(SphinxPostTransform):
-            default_priority = 3
-            formats = ("latex",)
+        def is_bundle(node) -> bool:
+            return isinstance(node, nodes.container) and node.get("nb_element") == "mime_bundle"
 
-            def run(self, **kwargs) -> None:
-                def is_bundle(node) -> bool:
-                    return isinstance(node, nodes.container) and node.get("nb_element") == "mime_bundle"
-
-                for bundle in list(self.document.findall(is_bundle)):
-                    by_type = {child.get("mime_type"): child for child in bundle.children}
-                    html_part, png_part = by_type.get("text/html"), by_type.get("image/png")
-                    if html_part is None or png_part is None:
-                        continue
-                    text = "".join(n.astext() for n in html_part.findall(nodes.raw))
-                    m = caption_re.search(text) if 'class="curvlab-figure"' in text else None
-                    if m is None:
-                        continue
-                    number, caption = (html.unescape(re.sub(r"<[^>]+>", "", g)).strip() for g in m.groups())
-                    para = nodes.paragraph("", "", nodes.strong(number, number), nodes.Text(" " + caption))
-                    box = nodes.container("", *[c.deepcopy() for c in png_part.children], para,
-                                          classes=["curvlab-figure"])
-                    bundle.replace_self(box)
-
-        app.add_post_transform(Transform)
+        for bundle in list(document.findall(is_bundle)):
+            by_type = {child.get("mime_type"): child for child in bundle.children}
+            html_part, png_part = by_type.get("text/html"), by_type.get("image/png")
+            if html_part is None or png_part is None:
+                continue
+            text = "".join(n.astext() for n in html_part.findall(nodes.raw))
+            m = caption_re.search(text) if 'class="curvlab-figure"' in text else None
+            if m is None:
+                continue
+            number, caption = (html.unescape(re.sub(r"<[^>]+>", "", g)).strip() for g in m.groups())
+            para = nodes.paragraph("", "", nodes.strong(number, number), nodes.Text(" " + caption))
+            box = nodes.container("", *[c.deepcopy() for c in png_part.children], para,
+                                  classes=["curvlab-figure"])
+            bundle.replace_self(box)
 
 
-class ReferenceLists:
+class ReferenceLists(LatexTransform):
     """Sphinx post-transform (LaTeX builder): a chapter's *References* section lists its references.
 
     ``{footcite}`` makes each reference a footnote, and ``{footbibliography}`` the place where the HTML book lists
@@ -177,37 +196,29 @@ class ReferenceLists:
     """
 
     @classmethod
-    def setup(cls, app) -> None:
+    def apply_to(cls, document) -> None:
         from docutils import nodes
-        from sphinx.transforms.post_transforms import SphinxPostTransform
 
-        class Transform(SphinxPostTransform):
-            default_priority = 3
-            formats = ("latex",)
+        def is_footbib(node) -> bool:
+            return (isinstance(node, nodes.container) and bool(node.children)
+                    and all(isinstance(c, nodes.footnote) for c in node.children))
 
-            def run(self, **kwargs) -> None:
-                def is_footbib(node) -> bool:
-                    return (isinstance(node, nodes.container) and bool(node.children)
-                            and all(isinstance(c, nodes.footnote) for c in node.children))
-
-                for box in list(self.document.findall(is_footbib)):
-                    items = nodes.bullet_list(classes=["curvlab-references"])
-                    for note in box.children:
-                        label = next((c.astext() for c in note.children if isinstance(c, nodes.label)), "")
-                        para = nodes.paragraph("", "")
-                        if label:
-                            para += nodes.Text(f"[{label}] ")
-                        for child in note.children:
-                            if isinstance(child, nodes.paragraph):
-                                for inner in child.children:
-                                    para += inner.deepcopy()
-                        items += nodes.list_item("", para)
-                    box.parent.insert(box.parent.index(box) + 1, items)
-
-        app.add_post_transform(Transform)
+        for box in list(document.findall(is_footbib)):
+            items = nodes.bullet_list(classes=["curvlab-references"])
+            for note in box.children:
+                label = next((c.astext() for c in note.children if isinstance(c, nodes.label)), "")
+                para = nodes.paragraph("", "")
+                if label:
+                    para += nodes.Text(f"[{label}] ")
+                for child in note.children:
+                    if isinstance(child, nodes.paragraph):
+                        for inner in child.children:
+                            para += inner.deepcopy()
+                items += nodes.list_item("", para)
+            box.parent.insert(box.parent.index(box) + 1, items)
 
 
-class PlainProofs:
+class PlainProofs(LatexTransform):
     """Sphinx post-transform (LaTeX builder): a proof is typeset as text ("Proof. ..."), not as an untitled box.
 
     sphinx-proof wraps a proof in an admonition without a title; Sphinx's LaTeX writer then opens a note box whose
@@ -216,24 +227,16 @@ class PlainProofs:
     """
 
     @classmethod
-    def setup(cls, app) -> None:
+    def apply_to(cls, document) -> None:
         from docutils import nodes
-        from sphinx.transforms.post_transforms import SphinxPostTransform
 
-        class Transform(SphinxPostTransform):
-            default_priority = 3
-            formats = ("latex",)
+        def is_proof_box(node) -> bool:
+            return (isinstance(node, nodes.admonition) and "proof" in node.get("classes", [])
+                    and not any(isinstance(c, nodes.title) for c in node.children))
 
-            def run(self, **kwargs) -> None:
-                def is_proof_box(node) -> bool:
-                    return (isinstance(node, nodes.admonition) and "proof" in node.get("classes", [])
-                            and not any(isinstance(c, nodes.title) for c in node.children))
-
-                for box in list(self.document.findall(is_proof_box)):
-                    plain = nodes.container("", *box.children, classes=["proof"], ids=box.get("ids", []))
-                    box.replace_self(plain)
-
-        app.add_post_transform(Transform)
+        for box in list(document.findall(is_proof_box)):
+            plain = nodes.container("", *box.children, classes=["proof"], ids=box.get("ids", []))
+            box.replace_self(plain)
 
 
 #: A text/plain representation that only names an object (a pandas Styler, IPython's HTML): what printed in the PDF
@@ -345,7 +348,7 @@ def html_to_nodes(text: str) -> list:
     return out
 
 
-class RichOutputs:
+class RichOutputs(LatexTransform):
     """Sphinx post-transform (LaTeX builder): an output whose only printable form is HTML gets a LaTeX one.
 
     MyST-NB prints the ``text/plain`` form of an output for LaTeX; for a pandas ``Styler`` or IPython's ``HTML`` (the
@@ -356,34 +359,26 @@ class RichOutputs:
     """
 
     @classmethod
-    def setup(cls, app) -> None:
+    def apply_to(cls, document) -> None:
         from docutils import nodes
-        from sphinx.transforms.post_transforms import SphinxPostTransform
 
-        class Transform(SphinxPostTransform):
-            default_priority = 3
-            formats = ("latex",)
+        def is_bundle(node) -> bool:
+            return isinstance(node, nodes.container) and node.get("nb_element") == "mime_bundle"
 
-            def run(self, **kwargs) -> None:
-                def is_bundle(node) -> bool:
-                    return isinstance(node, nodes.container) and node.get("nb_element") == "mime_bundle"
-
-                for bundle in list(self.document.findall(is_bundle)):
-                    by_type = {child.get("mime_type"): child for child in bundle.children}
-                    if "text/html" not in by_type or set(by_type) & {"text/latex", "image/png", "image/pdf",
-                                                                       "image/jpeg", "image/svg+xml"}:
-                        continue
-                    plain = by_type.get("text/plain")
-                    if plain is not None and not OBJECT_REPR.fullmatch(plain.astext().strip()):
-                        continue  # a readable text form (a DataFrame's, a CheckTable's): MyST-NB prints it
-                    text = "".join(n.astext() for n in by_type["text/html"].findall(nodes.raw))
-                    new = html_to_nodes(text)
-                    if new:
-                        bundle.replace_self(nodes.container("", *new, classes=["curvlab-rich-output"]))
-                    else:
-                        bundle.parent.remove(bundle)
-
-        app.add_post_transform(Transform)
+        for bundle in list(document.findall(is_bundle)):
+            by_type = {child.get("mime_type"): child for child in bundle.children}
+            if "text/html" not in by_type or set(by_type) & {"text/latex", "image/png", "image/pdf",
+                                                               "image/jpeg", "image/svg+xml"}:
+                continue
+            plain = by_type.get("text/plain")
+            if plain is not None and not OBJECT_REPR.fullmatch(plain.astext().strip()):
+                continue  # a readable text form (a DataFrame's, a CheckTable's): MyST-NB prints it
+            text = "".join(n.astext() for n in by_type["text/html"].findall(nodes.raw))
+            new = html_to_nodes(text)
+            if new:
+                bundle.replace_self(nodes.container("", *new, classes=["curvlab-rich-output"]))
+            else:
+                bundle.parent.remove(bundle)
 
 
 #: Before each table: a smaller font and looser spacing; the group ends after the table.
@@ -392,7 +387,7 @@ TABLE_START = "\\begingroup\\small\\sloppy\n"
 BREAK_AFTER = re.compile(r"(?<=[_:+/=,.])(?=[^\s_:+/=,.])")
 
 
-class TableWidths:
+class TableWidths(LatexTransform):
     """Sphinx post-transform (LaTeX builder): every table fits the text width, in a smaller font.
 
     Sphinx's LaTeX writer sizes a table's columns to their content (tabulary) and lets a wide one run past the margin:
@@ -401,48 +396,42 @@ class TableWidths:
     the line width; the table is set in ``\\small``.
     """
 
+    priority = 20  # after MyST-NB's choice of output form (4), the ledger values (8), references (10)
+
     @classmethod
-    def setup(cls, app) -> None:
+    def apply_to(cls, document) -> None:
         from docutils import nodes
-        from sphinx.transforms.post_transforms import SphinxPostTransform
 
-        class Transform(SphinxPostTransform):
-            default_priority = 20  # after MyST-NB's choice of output form (4), the ledger values (8), references (10)
-            formats = ("latex",)
-
-            def run(self, **kwargs) -> None:
-                for table in list(self.document.findall(nodes.table)):
-                    group = next(iter(table.findall(nodes.tgroup)), None)
-                    if group is None:
-                        continue
-                    specs = [c for c in group.children if isinstance(c, nodes.colspec)]
-                    longest = [5] * len(specs)
-                    for row in group.findall(nodes.row):
-                        for k, entry in enumerate(c for c in row.children if isinstance(c, nodes.entry)):
-                            if k < len(longest):  # the longest cell, but never narrower than its longest word
-                                text = entry.astext()
-                                word = max((len(w) for w in text.split()), default=0) + 4
-                                longest[k] = max(longest[k], min(40, len(text)), min(word, 30))
-                    for spec, width in zip(specs, longest):
-                        spec["colwidth"] = width
-                    for text in list(group.findall(nodes.Text)):  # long names may break after _ : + / = , .
-                        if not any(len(w) > 12 for w in text.split()) or isinstance(
-                                text.parent, (nodes.literal_block, nodes.math, nodes.math_block, nodes.raw)):
-                            continue
-                        parts = BREAK_AFTER.split(str(text))
-                        if len(parts) > 1:
-                            pieces = []
-                            for k, part in enumerate(parts):
-                                pieces += ([nodes.raw("", "\\allowbreak{}", format="latex")] if k else []) + [nodes.Text(part)]
-                            text.parent.replace(text, pieces)
-                    if "colwidths-given" not in table["classes"]:
-                        table["classes"].append("colwidths-given")
-                    parent = table.parent
-                    at = parent.index(table)
-                    parent.insert(at + 1, nodes.raw("", "\\endgroup\n", format="latex"))
-                    parent.insert(at, nodes.raw("", TABLE_START, format="latex"))
-
-        app.add_post_transform(Transform)
+        for table in list(document.findall(nodes.table)):
+            group = next(iter(table.findall(nodes.tgroup)), None)
+            if group is None:
+                continue
+            specs = [c for c in group.children if isinstance(c, nodes.colspec)]
+            longest = [5] * len(specs)
+            for row in group.findall(nodes.row):
+                for k, entry in enumerate(c for c in row.children if isinstance(c, nodes.entry)):
+                    if k < len(longest):  # the longest cell, but never narrower than its longest word
+                        text = entry.astext()
+                        word = max((len(w) for w in text.split()), default=0) + 4
+                        longest[k] = max(longest[k], min(40, len(text)), min(word, 30))
+            for spec, width in zip(specs, longest):
+                spec["colwidth"] = width
+            for text in list(group.findall(nodes.Text)):  # long names may break after _ : + / = , .
+                if not any(len(w) > 12 for w in text.split()) or isinstance(
+                        text.parent, (nodes.literal_block, nodes.math, nodes.math_block, nodes.raw)):
+                    continue
+                parts = BREAK_AFTER.split(str(text))
+                if len(parts) > 1:
+                    pieces = []
+                    for k, part in enumerate(parts):
+                        pieces += ([nodes.raw("", "\\allowbreak{}", format="latex")] if k else []) + [nodes.Text(part)]
+                    text.parent.replace(text, pieces)
+            if "colwidths-given" not in table["classes"]:
+                table["classes"].append("colwidths-given")
+            parent = table.parent
+            at = parent.index(table)
+            parent.insert(at + 1, nodes.raw("", "\\endgroup\n", format="latex"))
+            parent.insert(at, nodes.raw("", TABLE_START, format="latex"))
 
 
 def setup_handout(app) -> None:
