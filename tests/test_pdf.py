@@ -244,3 +244,21 @@ def test_handout_numbers_theorems_as_the_html_book(handout):
     assert heads
     for t in heads:
         assert t.head in flat, f"{t.head} ({t.title}) is not numbered as in the HTML book"
+
+
+def test_no_unbraced_accent_in_a_subscript_or_superscript():
+    """``\\nabla_\\tilde w`` renders in MathJax and KaTeX but stops XeLaTeX ("Missing { inserted"): the full handout
+    failed on it in chapter 03. Every accent or font command after ``_`` or ``^`` takes braces."""
+    import json
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    bad = re.compile(r"[_^]\\(tilde|hat|bar|vec|dot|ddot|check|breve|widehat|widetilde|overline|underline|mathbf|"
+                     r"mathcal|mathsf|mathrm|mathbb|boldsymbol|operatorname|sqrt|frac)(?![a-zA-Z])")
+    found = []
+    for path in sorted((root / "notebooks").glob("[0-9]*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            found += [f"{path.name}: {m.group(0)}" for m in bad.finditer("".join(cell["source"]))]
+    for path in sorted((root / "book").glob("*.md")):
+        found += [f"{path.name}: {m.group(0)}" for m in bad.finditer(path.read_text())]
+    assert not found, found
