@@ -220,8 +220,8 @@ def test_glyphs_the_fonts_lack_come_from_the_fallback(tmp_path):
     body = "Marks ✘ ✔ ★, $W^ᵀ$ and Wᵀ, $A \\odot B$, ⊙, ‖x‖ and κ."
     tex = ("\\documentclass{article}\n\\usepackage{amsmath}\n\\usepackage{fontspec}\n\\usepackage{unicode-math}\n"
            "\\setmainfont{FreeSerif}\\setsansfont{FreeSans}\\setmonofont{FreeMono}\n"
-           f"\\begin{{document}}\n{body}\n\\texttt{{{body}}}\n\\end{{document}}\n")
-    source, missing = pdf.font_fallbacks(tex)
+           f"\\begin{{document}}\n{body}\n\\texttt{{{body}}}\n\\texttt{{\\textit{{{body}}}}}\n\\end{{document}}\n")
+    source, missing = pdf.font_fallbacks(tex)  # in oblique mono too: FreeMono has ⊙, FreeMono Oblique has not
     assert not missing and "\\newunicodechar{✘}" in source
     (tmp_path / "g.tex").write_text(source)
     run = subprocess.run(["xelatex", "-interaction=nonstopmode", "-halt-on-error", "g.tex"], cwd=tmp_path,

@@ -458,7 +458,12 @@ def font_file(family: str) -> Path | None:
     except (OSError, subprocess.SubprocessError):
         return None
     fam, _, path = res.stdout.partition("\t")
-    return Path(path) if res.returncode == 0 and family.lower() in fam.lower() and path else None
+    name = family.split(":", 1)[0]  # "FreeMono:style=Oblique": the family is what must match
+    return Path(path) if res.returncode == 0 and name.lower() in fam.lower() and path else None
+
+
+#: The styles the handout sets text in: a glyph one of them lacks is missing there ("FreeMono Oblique" has no ⊙).
+FONT_STYLES = ("", ":style=Italic", ":style=Oblique", ":style=Bold", ":style=Bold Italic", ":style=Bold Oblique")
 
 
 def _cmap(family: str) -> set[int]:
@@ -474,7 +479,8 @@ def font_fallbacks(tex: str) -> tuple[str, list[str]]:
     chars = sorted({c for c in tex if ord(c) > 127})
     if not chars:
         return tex, []
-    have = _cmap(MAIN_FONTS["main"]) & _cmap(MAIN_FONTS["sans"]) & _cmap(MAIN_FONTS["mono"])
+    have = set.intersection(*(_cmap(family + style) for family in MAIN_FONTS.values() for style in FONT_STYLES
+                              if font_file(family + style) is not None))
     fallback = _cmap(FALLBACK_FONT)
     lacking = [c for c in chars if ord(c) not in have and not unicodedata_combining(c)]
     mapped = [c for c in lacking if ord(c) in fallback]
