@@ -209,6 +209,10 @@ def test_handout_problems_are_detected():
     tex = "\n" * 29 + "\\begin{longtable}{ll}\n" + "x\n" * 10 + "\\end{longtable}\n"
     found = pdf.handout_problems(log, "a <pandas.io.formats.style.Styler at 0x7f3a2b1c> b", tex)
     assert found["object reprs"] == ["<pandas.io.formats.style.Styler at 0x7f3a2b1c>"]
+    text = "run tools/pdf.py <chapter>; cells in <cache_dir>/<name>/<key>.npz; <IPython.core.display.HTML object>; " \
+           "grids={'quick': <function _registry.<locals>.<lambda>>}"
+    assert pdf.handout_problems("", text)["object reprs"] == ["<IPython.core.display.HTML object>",
+                                                              "<function _registry.<locals>"]
     assert found["missing glyphs"] == ["✘ (U+2718)"]
     assert found["overfull tables"] == ["12.5pt", "8.0pt at lines 31"]
 

@@ -241,7 +241,9 @@ class PlainProofs(LatexTransform):
 
 #: A text/plain representation that only names an object (a pandas Styler, IPython's HTML): what printed in the PDF
 #: where the rich output had no LaTeX form.
-OBJECT_REPR = re.compile(r"<[\w.]+(?: object)?(?: at 0x[0-9a-fA-F]+)?>")
+#: Not a placeholder the prose writes on purpose (``<chapter>``, ``<cache_dir>/<name>``): those have neither "object",
+#: an address, nor "function".
+OBJECT_REPR = re.compile(r"<(?:[\w.]+ object(?: at 0x[0-9a-fA-F]+)?|[\w.]+ at 0x[0-9a-fA-F]+|function [\w.<>]+?)>")
 
 
 class _HTMLToBlocks(HTMLParser):
