@@ -1,6 +1,7 @@
 """curvlab.config profiles/devices/seeds, curvlab.setup, and curvlab.plotting (registry, figures)."""
 
 import re
+from pathlib import Path
 
 import matplotlib
 
@@ -160,8 +161,14 @@ def test_as_tensor_keeps_float64_precision():
 
 
 class _FakeDist:
-    def __init__(self, text):
+    """A distribution whose files hold the imported package (``root`` = the folder above ``curvlab/``)."""
+
+    def __init__(self, text, root=None):
         self.text = text
+        self.root = Path(curvlab.__file__).resolve().parent.parent if root is None else Path(root)
+
+    def locate_file(self, path):
+        return self.root / path
 
     def read_text(self, name):
         assert name == "direct_url.json"
@@ -193,6 +200,20 @@ def test_installed_revision_falls_back_to_git_and_never_prints_an_unchecked_reco
     from importlib import metadata
 
     monkeypatch.setattr(metadata, "distribution", lambda name: _FakeDist(record))
+    monkeypatch.setattr(config, "git_revision", lambda path=None: "abc1234")
+    assert curvlab.installed_revision() == "abc1234"
+
+
+def test_installed_revision_ignores_the_record_of_a_copy_it_did_not_import(monkeypatch, tmp_path):
+    """A git-installed copy in site-packages while a clone's ``lib/`` is imported first: the clone's revision."""
+    from importlib import metadata
+
+    installed = tmp_path / "site-packages"
+    (installed / "curvlab").mkdir(parents=True)
+    (installed / "curvlab" / "__init__.py").write_text("")
+    record = ('{"url": "https://github.com/o/r", "vcs_info": {"vcs": "git", "requested_revision": "main", '
+              '"commit_id": "0123456789abcdef0123456789abcdef01234567"}, "subdirectory": "lib"}')
+    monkeypatch.setattr(metadata, "distribution", lambda name: _FakeDist(record, root=installed))
     monkeypatch.setattr(config, "git_revision", lambda path=None: "abc1234")
     assert curvlab.installed_revision() == "abc1234"
 

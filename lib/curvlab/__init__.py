@@ -95,19 +95,24 @@ def installed_revision() -> str:
 
     A copy pip installed from git (Colab's setup cell: ``curvlab @ git+<repo>@<ref>#subdirectory=lib``) has no
     ``.git``; pip records the commit it built in the distribution's ``direct_url.json`` (PEP 610), and that commit is
-    returned, with the ref asked for (``'1a2b3c4 (main, installed)'``). Otherwise (an editable install in a clone,
-    or a copy on ``sys.path``) it is :func:`curvlab.config.git_revision` of the package's folder, ``'unknown'``
-    where neither says.
+    returned, with the ref asked for (``'1a2b3c4 (main, installed)'``). The record is read only when that
+    distribution's ``curvlab/__init__.py`` is the file this kernel imported: a clone's ``lib/`` put ahead of an
+    installed copy on ``sys.path`` is not the installed commit. Otherwise (an editable install in a clone, or a copy
+    on ``sys.path``) it is :func:`curvlab.config.git_revision` of the package's folder, ``'unknown'`` where neither
+    says.
     """
     import json
     import re
     from importlib import metadata
+    from pathlib import Path
 
     from . import config
 
     try:
-        text = metadata.distribution("curvlab").read_text("direct_url.json")
-    except (metadata.PackageNotFoundError, OSError):
+        dist = metadata.distribution("curvlab")
+        located = Path(dist.locate_file("curvlab/__init__.py")).resolve()
+        text = dist.read_text("direct_url.json") if located == Path(__file__).resolve() else None
+    except (metadata.PackageNotFoundError, OSError, TypeError, ValueError):
         text = None
     if text:
         try:
