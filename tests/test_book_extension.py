@@ -187,6 +187,36 @@ def test_value_role_fills_prose_from_this_builds_ledger(fake_root, tmp_path, mon
     assert "no record '11_x::a claim nobody recorded'" in w
 
 
+def test_api_values_that_hold_code_list_their_keys_instead_of_function_reprs(fake_root, tmp_path, monkeypatch):
+    """autodoc printed ``UPDATES = {'sgd': <function sgd_step>, …}`` (18 function reprs in the handout's API chapter):
+    a value that holds code gets no value line, a mapping its keys; a plain constant keeps its value."""
+    import io
+
+    from sphinx.application import Sphinx
+
+    monkeypatch.setenv("CURVLAB_PROFILE", "quick")
+    mod = tmp_path / "regmod.py"
+    mod.write_text("def step(x):\n    return x\n\n\n"
+                   "class Run:\n    def __init__(self, f):\n        self.f = f\n\n\n"
+                   "#: name -> update rule.\nRULES = {'sgd': step, 'kfac': lambda x: x}\n"
+                   "#: name -> a run object.\nRUNS = {'a': Run(step)}\n"
+                   "#: a plain constant.\nLIMIT = 0.25\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'book' / '_ext')!r})\n"
+                                 "extensions = ['myst_parser', 'sphinx.ext.intersphinx', 'sphinx.ext.autodoc', 'curvlab_book']\n")
+    (src / "index.rst").write_text("T\n=\n\n.. automodule:: regmod\n   :members:\n")
+    app = Sphinx(str(src), str(src), str(tmp_path / "out"), str(tmp_path / "doctrees"), "html",
+                 status=None, warning=io.StringIO(), freshenv=True)
+    app.build()
+    text = re.sub(r"<[^>]+>", "", (tmp_path / "out" / "index.html").read_text())
+    text = text.replace("&lt;", "<").replace("&gt;", ">").replace("&#39;", "'")
+    assert not curvlab_book.CODE_REPR.search(text), curvlab_book.CODE_REPR.search(text)
+    assert "Keys (2): sgd, kfac." in text and "Keys (1): a." in text
+    assert "= 0.25" in text  # a value that holds no code is still shown
+
+
 def test_value_fields_match_the_library_and_render_verdict_and_sign():
     from curvlab import checks
 

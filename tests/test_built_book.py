@@ -161,6 +161,13 @@ def test_api_page_documents_the_core_modules():
                  "curvlab.sweep.sweep", "curvlab.plotting.show", "curvlab.config.pick"):
         assert f'id="{name}"' in api, f"{name} is not documented"
     assert 'href="https://pytorch.org/docs/stable/tensors.html#torch.Tensor"' in api, "torch.Tensor is not linked"
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import curvlab_book
+
+    text = html.unescape(re.sub(r"<[^>]+>", "", api))
+    reprs = sorted(set(m.group(0) for m in curvlab_book.CODE_REPR.finditer(text)))
+    assert not reprs, f"the API page prints {len(reprs)} object reprs as values: {reprs[:3]}"
+    assert re.search(r"Keys \(\d+\): SGD\b", text), "curvlab.linrep.UPDATES should list its update rules"
 
 
 def test_mathjax_is_served_from_the_book():

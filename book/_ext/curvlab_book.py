@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -680,11 +681,45 @@ def _patch_sphinx_proof() -> None:
 
 _proof_find_parent_orig: Any = None
 
+#: What a value that holds code prints as (``object_description`` drops the addresses): ``<function f>``,
+#: ``<bound method …>``, ``<… object>``. Such a value tells a reader nothing and printed in the handout as a repr.
+CODE_REPR = re.compile(r"<(?:function|bound method|built-in function|lambda)[^<>]*>|<[^<>]* object>")
+
+
+def _registry_documenter() -> type:
+    """autodoc's ``data`` documenter, except for a value that holds code (a registry of update rules, links or paper
+    grids: ``{'sgd': <function sgd_step>, …}``): its value line is left out and, for a mapping, its keys are listed
+    under the docstring, so the page says what the registry holds instead of printing function reprs."""
+    from sphinx.ext.autodoc import DataDocumenter
+    from sphinx.util.inspect import object_description
+
+    class RegistryDataDocumenter(DataDocumenter):
+        def _holds_code(self) -> bool:
+            try:
+                return bool(CODE_REPR.search(object_description(self.object)))
+            except ValueError:
+                return False
+
+        def should_suppress_value_header(self) -> bool:
+            return super().should_suppress_value_header() or self._holds_code()
+
+        def add_content(self, more_content: Any) -> None:
+            super().add_content(more_content)
+            if self._holds_code() and isinstance(self.object, dict) and self.object:
+                source = self.get_sourcename()
+                keys = ", ".join(f"``{k!r}``" if not isinstance(k, str) else f"``{k}``" for k in self.object)
+                self.add_line("", source)
+                self.add_line(f"Keys ({len(self.object)}): {keys}.", source)
+
+    return RegistryDataDocumenter
+
 
 def setup(app: Sphinx) -> dict[str, Any]:
     _patch_sphinx_proof()  # prf labels in the PDF name their document (see _proof_docname)
     app.setup_extension("curvlab_launch")  # Colab launch buttons open the clean copies (notebooks/colab/)
     app.connect("config-inited", _config_inited, priority=100)
+    app.setup_extension("sphinx.ext.autodoc")
+    app.add_autodocumenter(_registry_documenter(), override=True)  # no function reprs as values (the API page)
     app.add_node(LedgerNode)
     app.add_node(StatusNode)
     app.add_node(ValueNode)
