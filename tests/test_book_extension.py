@@ -213,7 +213,7 @@ def test_api_values_that_hold_code_list_their_keys_instead_of_function_reprs(fak
     text = re.sub(r"<[^>]+>", "", (tmp_path / "out" / "index.html").read_text())
     text = text.replace("&lt;", "<").replace("&gt;", ">").replace("&#39;", "'")
     assert not curvlab_book.CODE_REPR.search(text), curvlab_book.CODE_REPR.search(text)
-    assert "Keys (2): sgd, kfac." in text and "Keys (1): a." in text
+    assert "Keys when the module is loaded (2): sgd, kfac." in text and "loaded (1): a." in text
     assert "= 0.25" in text  # a value that holds no code is still shown
 
 

@@ -709,7 +709,7 @@ def _registry_documenter() -> type:
                 source = self.get_sourcename()
                 keys = ", ".join(f"``{k!r}``" if not isinstance(k, str) else f"``{k}``" for k in self.object)
                 self.add_line("", source)
-                self.add_line(f"Keys ({len(self.object)}): {keys}.", source)
+                self.add_line(f"Keys when the module is loaded ({len(self.object)}): {keys}.", source)
 
     return RegistryDataDocumenter
 
