@@ -1,8 +1,8 @@
 """The PDF handout (``make pdf``, ``tools/pdf.py``): notation macros that XeLaTeX accepts, a bibliography, captions.
 
 The last tests build one chapter's handout (chapter 00, the quickest that has citations, theorem blocks, a figure and
-the setup cell's HTML badge) with the deviations page (the widest table) in the quick profile and read its text and
-XeLaTeX's log back; it and the XeLaTeX macro test skip, with
+the setup cell's HTML badge) with the deviations page (the widest text table) and the performance page (tables of
+up to fourteen numeric columns) in the quick profile and read its text and XeLaTeX's log back; it and the XeLaTeX macro test skip, with
 the reason, where XeLaTeX (``tools/install_tex.sh``) or poppler-utils is missing.
 """
 
@@ -121,7 +121,7 @@ def handout(tmp_path_factory):
     out = tmp_path_factory.mktemp("pdf")
     env = {**os.environ, "CURVLAB_PROFILE": "quick"}
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "pdf.py"), "--profile", "quick", "--out", str(out),
-                          CHAPTER, "book/deviations"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          CHAPTER, "book/deviations", "book/performance"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"tools/pdf.py {CHAPTER} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     path = out / f"{pdf.TEXNAME}.pdf"
     assert path.is_file() and path.stat().st_size > 10_000
@@ -178,7 +178,7 @@ def test_chapter_handout_has_theorem_blocks_and_figure_captions(handout):
 def test_handout_has_no_object_repr_missing_glyph_or_overfull_table(handout):
     """Every rich output printed in a LaTeX or plain form (no "<... object>"), every glyph found (no "Missing
     character" in XeLaTeX's log), every table within the text width (no overfull alignment, no cell line past its
-    column), the deviations table with its Status column."""
+    column: the performance page's wide tables too), the deviations table with its Status column."""
     _, text, tex, log = handout
     found = pdf.handout_problems(log, text, tex)
     assert found == {"object reprs": [], "missing glyphs": [], "overfull tables": []}, found
@@ -215,6 +215,54 @@ def test_handout_problems_are_detected():
                                                               "<function _registry.<locals>"]
     assert found["missing glyphs"] == ["✘ (U+2718)"]
     assert found["overfull tables"] == ["12.5pt", "8.0pt at lines 31"]
+
+
+def _entry(text: str, literal: bool = False):
+    from docutils import nodes
+
+    para = nodes.paragraph("", "", nodes.literal(text, text) if literal else nodes.Text(text))
+    return nodes.entry("", para)
+
+
+def test_cell_widths_measure_the_handouts_fonts_and_the_break_points():
+    measure = pdf.TextWidths()
+    if pdf.font_file(pdf.MAIN_FONTS["main"]) is None:
+        pytest.skip("FreeFont is not installed (tools/install_tex.sh)")
+    # FreeSerif's digits are half an em, its full stop a quarter: 0.585000 is 37.5 pt at 10 pt
+    assert pdf.cell_widths(_entry("0.585000"), False, measure) == pytest.approx((37.5, 37.5), abs=0.5)
+    # FreeMono: 0.6 em a character, code is wider than text
+    mono, _ = pdf.cell_widths(_entry("rank_cut", literal=True), False, measure)
+    assert mono == pytest.approx(48.0, abs=0.5) and mono > pdf.cell_widths(_entry("rank_cut"), False, measure)[0]
+    # a long name breaks after _ (its widest piece is one part), a short one and a number do not
+    lo, nat = pdf.cell_widths(_entry("gn_conditioning_input_scaling", literal=True), False, measure)
+    assert lo == pytest.approx(measure.width("conditioning_", "mono")) and nat == pytest.approx(6.0 * 29)
+    assert pdf.break_parts("kappa_r_star at 1.48e+06, rank_cut 0.000108 66.1–72.5") == [
+        "kappa_", "r_", "star at 1.48e+06, rank_cut 0.000108 66.1–72.5"]
+    assert "".join(pdf.break_parts("ch11::batchnorm+AMGD x")) == "ch11::batchnorm+AMGD x"
+    # words wrap at spaces: the widest word, and the whole line
+    lo, nat = pdf.cell_widths(_entry("the deviations table lost its Status column"), False, measure)
+    assert lo == pytest.approx(measure.width("deviations")) and nat == pytest.approx(measure.width(
+        "the deviations table lost its Status column"))
+    assert 20 < pdf.math_width(r"\lVert f_i - y_i\rVert^2") < 45 and pdf.math_width(r"\mathrm{x}") == 5.0
+
+
+def test_table_layout_gives_every_column_its_widest_word_in_the_largest_size_that_fits():
+    line = pdf.LINE_WIDTH_PT
+    # four text columns: the small font, the whole line shared, each column at least its widest word
+    cols = [(40.0, 300.0), (20.0, 60.0), (60.0, 400.0), (30.0, 30.0)]
+    (command, pt, sep), widths, fits = pdf.table_layout(cols)
+    assert command == "small" and fits and sum(widths) == pytest.approx(line)
+    assert all(w - 2 * sep - 0.4 >= lo - 1e-9 for w, (lo, _) in zip(widths, cols))
+    # a pandas frame of 14 numeric columns (0.585000, headers like lambda_max): too wide at 10 pt, set smaller
+    frame = [(40.0, 40.0)] * 14
+    (command, pt, sep), widths, fits = pdf.table_layout(frame)
+    assert command != "small" and fits and all(w - 2 * sep - 0.4 >= 40.0 * pt / 10 - 1e-9 for w in widths)
+    # one that no size holds is reported, at the smallest size
+    (command, _, _), _, fits = pdf.table_layout([(200.0, 200.0)] * 12)
+    assert command == "tiny" and not fits
+    # a narrow table: everything on one line, the spare width shared in proportion
+    (command, _, sep), widths, _ = pdf.table_layout([(20.0, 40.0), (20.0, 80.0)])
+    assert command == "small" and (widths[1] - 2 * sep - 0.4) == pytest.approx(2 * (widths[0] - 2 * sep - 0.4))
 
 
 @needs_xelatex

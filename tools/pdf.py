@@ -18,7 +18,8 @@ is also the quick way to try it.
 * **What the book keeps in print** (Sphinx post-transforms, :func:`setup_handout`): each figure's caption
   (``FigureCaptions``), a References list per chapter (``ReferenceLists``), proofs as text (``PlainProofs``), an
   output whose only printable form was its repr (a pandas ``Styler``, the setup cell's HTML badge) as a table or
-  text (``RichOutputs``), every table within the text width in a smaller font (``TableWidths``).
+  text (``RichOutputs``), every table within the text width, in the largest size at which each column holds its widest word
+  (``TableWidths``).
 * **Glyphs**: characters FreeSerif/FreeSans/FreeMono lack (✘, ᵀ, ★ ...) are set in DejaVu Sans
   (:func:`font_fallbacks`, ``newunicodechar``); after the run, :func:`handout_problems` reports object reprs,
   XeLaTeX's "Missing character" lines and overfull tables (``tests/test_pdf.py`` requires none).
@@ -43,6 +44,7 @@ import sys
 import time
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -383,19 +385,254 @@ class RichOutputs(LatexTransform):
                 bundle.parent.remove(bundle)
 
 
-#: Before each table: a smaller font and looser spacing; the group ends after the table.
-TABLE_START = "\\begingroup\\small\\sloppy\n"
 #: Where a long word in a table cell may break: after these characters (names like ``ch11::batchnorm+AMGD``).
 BREAK_AFTER = re.compile(r"(?<=[_:+/=,.])(?=[^\s_:+/=,.])")
+#: A word longer than this (characters) gets the break points of ``BREAK_AFTER``, unless it is a number.
+BREAK_LONGER_THAN = 8
+#: A number, a range or an interval of numbers (``0.000108``, ``1.48e+06,``, ``66.1–72.5``, ``[0.97,``): no letter but
+#: an exponent's e, no ``_ : / =``.
+NUMBER = re.compile(r"[^A-Za-z_:/=]*\d[^A-Za-z_:/=]*")
+EXPONENT = re.compile(r"(?<=\d)[eE](?=[-+−]?\d)")
+
+
+
+def break_parts(text: str) -> list[str]:
+    """``text`` cut where a table cell may break inside a word: after ``_ : + / = , .`` in a word longer than
+    ``BREAK_LONGER_THAN`` characters that is not a number (``kappa_r_star``, ``ch11::batchnorm+AMGD``; never
+    ``0.000108``, ``1.48e+06`` or ``66.1–72.5``). Joining the parts gives ``text`` back."""
+    parts, start = [], 0
+    for m in re.finditer(r"\S+", text):
+        word = m.group(0)
+        if len(word) <= BREAK_LONGER_THAN or NUMBER.fullmatch(EXPONENT.sub("", word)):
+            continue
+        for cut in BREAK_AFTER.finditer(word):
+            parts.append(text[start:m.start() + cut.start()])
+            start = m.start() + cut.start()
+    parts.append(text[start:])
+    return parts
+#: The handout's text width in pt: A4 (597.5 pt) less Sphinx's default 1 in margins (72.27 pt each), less a 2 %
+#: allowance for what the width model below does not see (kerning, the rules of a table inside an admonition).
+LINE_WIDTH_PT = (597.5 - 2 * 72.27) * 0.98
+#: The sizes a table may be set in (11 pt class): LaTeX command, font size (pt), \tabcolsep (pt). The largest one at
+#: which every column holds its widest unbreakable word is used.
+TABLE_SIZES = (("small", 10.0, 6.0), ("footnotesize", 9.0, 4.0), ("scriptsize", 8.0, 3.0), ("tiny", 6.0, 2.0))
+#: A cell wraps past this share of the line (its natural one-line width counts up to here).
+CELL_CAP = 0.45
+
+
+class TextWidths:
+    """Advance widths of the handout's fonts (FreeSerif, FreeSans, FreeMono: fontTools over the files fontconfig
+    serves), in pt at 10 pt; 0.55 em a character where a font is not found or lacks the glyph."""
+
+    def __init__(self) -> None:
+        self._fonts: dict[str, tuple[dict[int, str], Any, float] | None] = {}
+
+    def _font(self, role: str):
+        if role not in self._fonts:
+            self._fonts[role] = None
+            path = font_file(MAIN_FONTS[role])
+            if path is not None:
+                try:
+                    from fontTools.ttLib import TTFont
+
+                    font = TTFont(str(path), lazy=True)
+                    self._fonts[role] = (font.getBestCmap(), font["hmtx"], float(font["head"].unitsPerEm))
+                except Exception:  # noqa: BLE001 - an unreadable font file: the 0.55 em estimate
+                    pass
+        return self._fonts[role]
+
+    def width(self, text: str, role: str = "main") -> float:
+        font = self._font(role)
+        if font is None:
+            return 5.5 * len(text)
+        cmap, hmtx, upem = font
+        total = 0.0
+        for c in text:
+            glyph = cmap.get(ord(c))
+            total += hmtx[glyph][0] / upem * 10.0 if glyph is not None else 5.5
+        return total
+
+
+#: Control sequences of inline maths that print nothing of their own (font switches, delimiters' sizes, accents).
+_MATH_SILENT = {"left", "right", "big", "Big", "bigl", "bigr", "Bigl", "Bigr", "mathrm", "mathbf", "mathcal",
+                "mathbb", "operatorname", "text", "textrm", "mathit", "boldsymbol", "tilde", "hat", "bar", "widehat",
+                "widetilde", "overline", "displaystyle", "scriptstyle", "limits", "nolimits", "mathsf", "mathtt"}
+
+
+#: Named operators: set upright, one letter each.
+_MATH_WORDS = {"log", "exp", "max", "min", "sup", "inf", "det", "tr", "sin", "cos", "tan", "arg", "lim", "ker", "dim",
+               "deg", "gcd", "Pr", "ln", "argmax", "argmin", "liminf", "limsup"}
+
+
+_MATH_RELATIONS = {"le", "ge", "leq", "geq", "approx", "in", "ne", "neq", "sim", "to", "mapsto", "equiv", "propto",
+                   "subset", "subseteq", "ll", "gg", "coloneqq", "Rightarrow", "iff"}
+_MATH_BINARY = {"cdot", "times", "otimes", "odot", "oplus", "pm", "mp", "circ", "setminus", "cup", "cap"}
+
+
+def _book_macros() -> dict[str, str]:
+    """The notation macros of ``book/macros.yml`` as name -> body (a macro's arguments left as ``#1``)."""
+    global _MACROS
+    if _MACROS is None:
+        try:
+            raw = yaml.safe_load((ROOT / "book" / "macros.yml").read_text()) or {}
+        except OSError:
+            raw = {}
+        _MACROS = {k: (v[0] if isinstance(v, list) else v) for k, v in raw.items() if isinstance(v, (str, list))}
+    return _MACROS
+
+
+_MACROS: dict[str, str] | None = None
+
+
+def math_width(tex: str) -> float:
+    """A rough width (pt at 10 pt) of inline maths from its source, the book's macros expanded (``\\lmin`` is
+    ``\\lambda_{\\min}``): 5 pt a symbol, 3.5 pt one in a sub- or superscript, a named operator (``\\max``) a
+    letter a character, nothing for font switches and braces; thin and quad spaces as set."""
+    macros = _book_macros()
+    for _ in range(3):  # macros that use macros
+        tex = re.sub(r"\\([A-Za-z]+)", lambda m: "{" + macros[m.group(1)].replace("#1", "x") + "}"
+                     if m.group(1) in macros else m.group(0), tex)
+    width, script = 0.0, 0
+    tokens = re.findall(r"\\[A-Za-z]+|\\.|[_^]\{|[_^]|\{|\}|\S", tex)
+    depth: list[bool] = []
+    pending = False
+    for tok in tokens:
+        if tok in ("_", "^"):
+            pending = True
+            continue
+        if tok in ("_{", "^{"):
+            depth.append(True)
+            script += 1
+            continue
+        if tok == "{":
+            depth.append(False)
+            continue
+        if tok == "}":
+            if depth and depth.pop():
+                script -= 1
+            continue
+        name = tok[1:] if tok.startswith("\\") else None
+        if name in _MATH_SILENT:
+            continue
+        if name in (",", ";", ":", "!"):
+            width += 2.0 if name != "!" else -1.5
+            continue
+        if name in ("quad", "qquad"):
+            width += 10.0 if name == "quad" else 20.0
+            continue
+        small = script or pending
+        if name in ("dots", "ldots", "cdots", "sum", "prod", "int", "bigcup", "bigcap"):
+            width += (8.0 if small else 12.0)  # three dots, a large operator
+        elif tok in "=<>" or name in _MATH_RELATIONS:
+            width += (3.5 if small else 5.0) + (0.0 if small else 5.6)  # a relation's thick spaces
+        elif tok in "+-*" or name in _MATH_BINARY:
+            width += (3.5 if small else 5.0) + (0.0 if small else 4.4)  # a binary operator's medium spaces
+        else:
+            width += (len(name) if name in _MATH_WORDS else 1) * (3.5 if small else 5.0)
+        pending = False
+    return max(width, 0.0)
+
+
+def _cell_runs(entry, header: bool) -> list[tuple[str, str]]:
+    """The text of a table cell as runs (text, kind): kind ``math`` (its source), ``mono`` (inline code), ``sans``
+    (a header cell, in Sphinx's \\sphinxstyletheadfamily) or ``main``."""
+    from docutils import nodes
+
+    runs: list[tuple[str, str]] = []
+
+    def walk(node, kind: str) -> None:
+        if isinstance(node, nodes.math):
+            runs.append((node.astext(), "math"))
+            return
+        if isinstance(node, nodes.Text):
+            runs.append((str(node), kind))
+            return
+        if isinstance(node, nodes.raw):
+            return
+        if isinstance(node, nodes.literal):
+            kind = "mono"
+        for child in node.children:
+            walk(child, kind)
+        if isinstance(node, (nodes.paragraph, nodes.list_item)):
+            runs.append(("", "end"))  # a paragraph ends: the next one starts a line
+
+    walk(entry, "sans" if header else "main")
+    return runs
+
+
+def cell_widths(entry, header: bool, measure: TextWidths) -> tuple[float, float]:
+    """(widest unbreakable piece, natural one-line width) of a table cell in pt at 10 pt. A piece ends at a space,
+    at a line break, and inside a word longer than ``BREAK_LONGER_THAN`` after a ``BREAK_AFTER`` character (where
+    :class:`TableWidths` lets it break); inline maths is one piece."""
+    widest, line, natural = 0.0, 0.0, 0.0
+    piece = 0.0
+    for text, kind in _cell_runs(entry, header):
+        if kind == "end":
+            widest, piece = max(widest, piece), 0.0
+            natural, line = max(natural, line), 0.0
+            continue
+        if kind == "math":
+            w = math_width(text)
+            piece += w
+            line += w
+            widest = max(widest, piece)
+            continue
+        for k, part in enumerate(break_parts(text)):
+            if k:  # a break point inside a word
+                widest, piece = max(widest, piece), 0.0
+            for token in re.split(r"(\s+)", part):
+                if not token:
+                    continue
+                if token.isspace():
+                    widest, piece = max(widest, piece), 0.0
+                    line += measure.width(" ", kind)
+                    continue
+                w = measure.width(token, kind)
+                piece += w
+                line += w
+            widest = max(widest, piece)
+    return max(widest, piece), max(natural, line)
+
+
+def table_layout(columns: list[tuple[float, float]], line_width: float = LINE_WIDTH_PT
+                 ) -> tuple[tuple[str, float, float], list[float], bool]:
+    """Font size and column widths of a table from its columns' (widest unbreakable piece, natural width) in pt at
+    10 pt: the largest of ``TABLE_SIZES`` at which every column holds its widest piece; each column gets that much,
+    and the rest of the line is shared in proportion to what the column's natural width asks beyond it (a column's
+    natural width counts up to ``CELL_CAP`` of the line). Returns (size, the widths given to the writer — each
+    column's share of the line, padding included —, whether it fits)."""
+    n = len(columns)
+    for size in TABLE_SIZES:
+        _, pt, sep = size
+        scale = pt / 10.0
+        pad = 2 * sep + 0.4
+        avail = line_width - n * pad
+        least = [w * scale for w, _ in columns]
+        if sum(least) <= avail or size is TABLE_SIZES[-1]:
+            break
+    fits = sum(least) <= avail
+    want = [max(lo, min(nat * scale, CELL_CAP * line_width)) for lo, (_, nat) in zip(least, columns)]
+    spare = avail - sum(least)
+    if not fits:
+        widths = least
+    elif sum(want) <= avail:  # everything on one line: the rest in proportion to the natural widths
+        widths = [w + (avail - sum(want)) * w / sum(want) for w in want] if sum(want) > 0 else [avail / n] * n
+    else:
+        extra = sum(w - lo for w, lo in zip(want, least))
+        widths = [lo + spare * (w - lo) / extra for w, lo in zip(want, least)]
+    return size, [w + pad for w in widths], fits
 
 
 class TableWidths(LatexTransform):
-    """Sphinx post-transform (LaTeX builder): every table fits the text width, in a smaller font.
+    """Sphinx post-transform (LaTeX builder): every table fits the text width.
 
     Sphinx's LaTeX writer sizes a table's columns to their content (tabulary) and lets a wide one run past the margin:
-    the deviations table lost its Status column. Each column gets a width proportional to its longest cell (at most
-    40 characters, at least its longest word), given to the writer as ``colwidths-given``: p-columns (``\\X{w}{W}``) that wrap, sharing
-    the line width; the table is set in ``\\small``.
+    the deviations table lost its Status column; a column narrower than its widest word (a pandas frame's
+    ``0.585000``, a header ``lambda_max``) pushes that word into its neighbour. Each cell is measured in the
+    handout's fonts (:func:`cell_widths`); the table is set in the largest size of ``TABLE_SIZES`` at which every
+    column holds its widest unbreakable word, and the columns are given to the writer as ``colwidths-given``
+    (p-columns ``\\X{w}{W}`` that wrap, sharing the line width: :func:`table_layout`). Long names may break after
+    ``_ : + / = , .``.
     """
 
     priority = 20  # after MyST-NB's choice of output form (4), the ledger values (8), references (10)
@@ -404,25 +641,34 @@ class TableWidths(LatexTransform):
     def apply_to(cls, document) -> None:
         from docutils import nodes
 
+        measure = TextWidths()
         for table in list(document.findall(nodes.table)):
             group = next(iter(table.findall(nodes.tgroup)), None)
             if group is None:
                 continue
             specs = [c for c in group.children if isinstance(c, nodes.colspec)]
-            longest = [5] * len(specs)
-            for row in group.findall(nodes.row):
-                for k, entry in enumerate(c for c in row.children if isinstance(c, nodes.entry)):
-                    if k < len(longest):  # the longest cell, but never narrower than its longest word
-                        text = entry.astext()
-                        word = max((len(w) for w in text.split()), default=0) + 4
-                        longest[k] = max(longest[k], min(40, len(text)), min(word, 30))
-            for spec, width in zip(specs, longest):
-                spec["colwidth"] = width
-            for text in list(group.findall(nodes.Text)):  # long names may break after _ : + / = , .
-                if not any(len(w) > 12 for w in text.split()) or isinstance(
-                        text.parent, (nodes.literal_block, nodes.math, nodes.math_block, nodes.raw)):
+            columns = [(0.0, 0.0)] * len(specs)
+            for part in group.children:
+                if not isinstance(part, (nodes.thead, nodes.tbody)):
                     continue
-                parts = BREAK_AFTER.split(str(text))
+                for row in part.children:
+                    col = 0
+                    for entry in (c for c in row.children if isinstance(c, nodes.entry)):
+                        span = 1 + int(entry.get("morecols", 0))
+                        if col + span <= len(columns):
+                            lo, nat = cell_widths(entry, isinstance(part, nodes.thead), measure)
+                            for k in range(col, col + span):  # a spanning cell asks each column for its share
+                                columns[k] = (max(columns[k][0], lo / span), max(columns[k][1], nat / span))
+                        col += span
+            if not columns:
+                continue
+            (command, _, sep), widths, _ = table_layout(columns)
+            for spec, width in zip(specs, widths):
+                spec["colwidth"] = max(1, round(width * 10))
+            for text in list(group.findall(nodes.Text)):  # long names may break after _ : + / = , .
+                if isinstance(text.parent, (nodes.literal_block, nodes.math, nodes.math_block, nodes.raw)):
+                    continue
+                parts = break_parts(str(text))
                 if len(parts) > 1:
                     pieces = []
                     for k, part in enumerate(parts):
@@ -433,7 +679,12 @@ class TableWidths(LatexTransform):
             parent = table.parent
             at = parent.index(table)
             parent.insert(at + 1, nodes.raw("", "\\endgroup\n", format="latex"))
-            parent.insert(at, nodes.raw("", TABLE_START, format="latex"))
+            parent.insert(at, nodes.raw("", table_start(command, sep), format="latex"))
+
+
+def table_start(command: str, sep: float) -> str:
+    """What goes before a table: its font size, its column padding and looser spacing; the group ends after it."""
+    return f"\\begingroup\\{command}\\setlength{{\\tabcolsep}}{{{sep:g}pt}}\\sloppy\n"
 
 
 def setup_handout(app) -> None:
