@@ -35,6 +35,7 @@ The PDF is written to ``_build/pdf/curvature-lab.pdf``.
 from __future__ import annotations
 
 import argparse
+import functools
 import html
 import os
 import re
@@ -395,7 +396,6 @@ NUMBER = re.compile(r"[^A-Za-z_:/=]*\d[^A-Za-z_:/=]*")
 EXPONENT = re.compile(r"(?<=\d)[eE](?=[-+−]?\d)")
 
 
-
 def break_parts(text: str) -> list[str]:
     """``text`` cut where a table cell may break inside a word: after ``_ : + / = , .`` in a word longer than
     ``BREAK_LONGER_THAN`` characters that is not a number (``kappa_r_star``, ``ch11::batchnorm+AMGD``; never
@@ -410,6 +410,8 @@ def break_parts(text: str) -> list[str]:
             start = m.start() + cut.start()
     parts.append(text[start:])
     return parts
+
+
 #: The handout's text width in pt: A4 (597.5 pt) less Sphinx's default 1 in margins (72.27 pt each), less a 2 %
 #: allowance for what the width model below does not see (kerning, the rules of a table inside an admonition).
 LINE_WIDTH_PT = (597.5 - 2 * 72.27) * 0.98
@@ -462,26 +464,20 @@ _MATH_SILENT = {"left", "right", "big", "Big", "bigl", "bigr", "Bigl", "Bigr", "
 #: Named operators: set upright, one letter each.
 _MATH_WORDS = {"log", "exp", "max", "min", "sup", "inf", "det", "tr", "sin", "cos", "tan", "arg", "lim", "ker", "dim",
                "deg", "gcd", "Pr", "ln", "argmax", "argmin", "liminf", "limsup"}
-
-
+#: Relations (thick spaces either side) and binary operators (medium spaces).
 _MATH_RELATIONS = {"le", "ge", "leq", "geq", "approx", "in", "ne", "neq", "sim", "to", "mapsto", "equiv", "propto",
                    "subset", "subseteq", "ll", "gg", "coloneqq", "Rightarrow", "iff"}
 _MATH_BINARY = {"cdot", "times", "otimes", "odot", "oplus", "pm", "mp", "circ", "setminus", "cup", "cap"}
 
 
+@functools.lru_cache(maxsize=1)
 def _book_macros() -> dict[str, str]:
     """The notation macros of ``book/macros.yml`` as name -> body (a macro's arguments left as ``#1``)."""
-    global _MACROS
-    if _MACROS is None:
-        try:
-            raw = yaml.safe_load((ROOT / "book" / "macros.yml").read_text()) or {}
-        except OSError:
-            raw = {}
-        _MACROS = {k: (v[0] if isinstance(v, list) else v) for k, v in raw.items() if isinstance(v, (str, list))}
-    return _MACROS
-
-
-_MACROS: dict[str, str] | None = None
+    try:
+        raw = yaml.safe_load((ROOT / "book" / "macros.yml").read_text()) or {}
+    except OSError:
+        raw = {}
+    return {k: (v[0] if isinstance(v, list) else v) for k, v in raw.items() if isinstance(v, (str, list))}
 
 
 def math_width(tex: str) -> float:
