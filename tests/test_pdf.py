@@ -210,8 +210,10 @@ def test_handout_problems_are_detected():
     found = pdf.handout_problems(log, "a <pandas.io.formats.style.Styler at 0x7f3a2b1c> b", tex)
     assert found["object reprs"] == ["<pandas.io.formats.style.Styler at 0x7f3a2b1c>"]
     text = "run tools/pdf.py <chapter>; cells in <cache_dir>/<name>/<key>.npz; <IPython.core.display.HTML object>; " \
-           "grids={'quick': <function _registry.<locals>.<lambda>>}"
+           "grids={'quick': <function _registry.<locals>.<lambda>>}; two_layer(X, act=<built-in method tanh of type " \
+           "object>); <measured route>, extra=<factory>"
     assert pdf.handout_problems("", text)["object reprs"] == ["<IPython.core.display.HTML object>",
+                                                              "<built-in method tanh of type object>",
                                                               "<function _registry.<locals>"]
     assert found["missing glyphs"] == ["✘ (U+2718)"]
     assert found["overfull tables"] == ["12.5pt", "8.0pt at lines 31"]

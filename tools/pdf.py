@@ -246,7 +246,8 @@ class PlainProofs(LatexTransform):
 #: where the rich output had no LaTeX form.
 #: Not a placeholder the prose writes on purpose (``<chapter>``, ``<cache_dir>/<name>``): those have neither "object",
 #: an address, nor "function".
-OBJECT_REPR = re.compile(r"<(?:[\w.]+ object(?: at 0x[0-9a-fA-F]+)?|[\w.]+ at 0x[0-9a-fA-F]+|function [\w.<>]+?)>")
+OBJECT_REPR = re.compile(r"<(?:[\w.-]+(?: [\w.-]+)* object(?: at 0x[0-9a-fA-F]+)?|[\w.]+ at 0x[0-9a-fA-F]+"
+                         r"|function [\w.<>]+?|(?:bound|built-in) (?:method|function) [^<>]+)>")
 
 
 class _HTMLToBlocks(HTMLParser):
